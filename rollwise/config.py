@@ -1,0 +1,235 @@
+"""Typed run configuration: one shallow section per stage, TOML files plus `section.key=value` overrides.
+
+Unknown keys and bad values fail before any work, with a message that lists what is valid.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: str = Field(EMBEDDED_MODEL, description="embedded model name or a local HF model directory")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = physical cores")
+
+
+class DataConfig(Section):
+    task: str = Field("arith", description="built-in task (arith, letters) or plugin 'pkg.mod:fn'")
+    path: str | None = Field(None, description="JSONL / Parquet file or HF datasets directory")
+    eval_path: str | None = Field(None, description="held-out file; None = a fixed slice of data.path")
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    system_prompt: str | None = Field(None, description="system turn; None keeps the chat template's default")
+    max_prompt_tokens: int = Field(256, gt=0)
+    digits: int = Field(1, ge=1, le=6, description="arith: digits per operand")
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
+    eval_size: int = Field(512, ge=1, description="size of the fixed held-out split")
+
+    @field_validator("ops")
+    @classmethod
+    def _ops_not_empty(cls, ops: list[str]) -> list[str]:
+        if not ops:
+            raise ValueError("ops must name at least one operator")
+        return ops
+
+
+class RolloutConfig(Section):
+    engine: str = "torch"
+    prompts_per_step: int = Field(8, gt=0)
+    samples_per_prompt: int = Field(8, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    max_batch_size: int = Field(64, gt=0, description="sequences decoded together")
+
+
+class RewardConfig(Section):
+    fn: str | None = Field(None, description="reward name or 'pkg.mod:fn'; None = the task's verifier")
+    format_weight: float = Field(0.0, description="weight of the format part (answer present)")
+
+
+class AlgoConfig(Section):
+    advantage: str = "grpo"
+    loss: str = "ppo_clip"
+    aggregation: str = "token_mean"
+    scale_rewards: Literal["group", "none"] = "group"
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.28, ge=0.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: str = "k3"
+    filter_zero_variance: bool = True
+
+
+class TrainConfig(Section):
+    steps: int = Field(30, ge=0)
+    lr: float = Field(1e-5, gt=0.0)
+    seed: int = 0
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    ppo_epochs: int = Field(1, ge=1)
+    minibatches_per_epoch: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(4096, gt=0, description="token budget of one forward/backward")
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 where the CPU has native bf16"
+    )
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(10, ge=0, description="0 = only at start and end")
+    n: int = Field(256, ge=0)
+    temperature: float = Field(0.7, ge=0.0)
+    max_new_tokens: int | None = Field(None, description="None = rollout.max_new_tokens")
+    greedy: bool = True
+
+
+class RunConfig(Section):
+    name: str | None = None
+    root: str = "runs"
+    save_every_steps: int = Field(10, ge=0)
+    keep_checkpoints: int = Field(0, ge=0, description="0 keeps all")
+    samples_logged_per_step: int = Field(8, ge=0)
+    report: bool = True
+    console: bool = True
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message says which key and what is valid."""
+
+
+def valid_keys(section: str | None = None) -> list[str]:
+    """`section.key` names accepted by `Config` (all sections, or one)."""
+    keys = []
+    for sec_name, sec_field in Config.model_fields.items():
+        if section is None or section == sec_name:
+            keys += [f"{sec_name}.{k}" for k in sec_field.annotation.model_fields]  # type: ignore[union-attr]
+    return keys
+
+
+def _parse_value(raw: str) -> Any:
+    """Parse an override value as a TOML value; bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _is_text_field(sec: str, key: str) -> bool:
+    annotation = Config.model_fields[sec].annotation.model_fields[key].annotation  # type: ignore[union-attr]
+    return annotation is str or annotation == (str | None)
+
+
+def _check_keys(data: dict[str, Any], where: str) -> None:
+    for sec, body in data.items():
+        if sec not in Config.model_fields:
+            raise ConfigError(f"{where}: unknown section {sec!r}; valid sections: {', '.join(Config.model_fields)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: section {sec!r} must be a table of keys")
+        fields = Config.model_fields[sec].annotation.model_fields  # type: ignore[union-attr]
+        for key in body:
+            if key not in fields:
+                raise ConfigError(
+                    f"{where}: unknown key '{sec}.{key}'; valid keys in [{sec}]: {', '.join(fields)}"
+                )
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `section.key=value` to a nested dict, in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    dotted, _, raw = override.partition("=")
+    parts = dotted.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"override {override!r}: key must be 'section.key'; valid keys: {', '.join(valid_keys())}")
+    sec, key = parts
+    _check_keys({sec: {key: None}}, f"override {override!r}")
+    value = _parse_value(raw.strip())
+    if _is_text_field(sec, key) and not isinstance(value, str):
+        value = raw.strip()  # run.name=2024 stays the text "2024"
+    data.setdefault(sec, {})[key] = value
+
+
+def _format_validation(exc: ValidationError, where: str) -> str:
+    lines = [f"{where}: invalid config"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        ctx = err.get("ctx", {})
+        expected = f" (expected {ctx['expected']})" if "expected" in ctx else ""
+        lines.append(f"  {key}: {err['msg']}{expected}; got {err.get('input')!r}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML recipe (optional) and apply `section.key=value` overrides."""
+    data: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"recipe file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        _check_keys(data, where)
+    for override in overrides or []:
+        apply_override(data, override)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, where)) from exc
+
+
+def to_toml(cfg: Config) -> str:
+    """Render the resolved config as TOML (written to `config.toml` in the run directory)."""
+    out = []
+    for sec, body in cfg.model_dump(mode="json").items():
+        out.append(f"[{sec}]")
+        for key, value in body.items():
+            if value is None:
+                out.append(f"# {key} = (unset)")
+            else:
+                out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,208 @@
+"""File datasets: JSONL, Parquet and HF `datasets` directories, mapped to `Prompt`s.
+
+Every error names the file, the line (JSONL, 1-based physical lines) or row index (Parquet, HF), the field
+and what was expected. The eval split is `data.eval_path` when given, else a fixed held-out slice chosen with
+a fixed seed; training walks a seeded permutation of the remaining rows, one per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+from rollwise.config import DataConfig
+from rollwise.data.tasks import EVAL_SEED
+from rollwise.types import Prompt
+
+ROLES = ("system", "user", "assistant")
+SUFFIXES = (".jsonl", ".parquet")
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, unreadable or has a bad row; the message says where and what was expected."""
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def to_messages(value: Any, where: str, field: str) -> list[dict[str, str]]:
+    """A prompt field as a chat: a string becomes one user turn; a list must hold {role, content} dicts."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(f"{where}: field {field!r} is an empty string; expected prompt text")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DatasetError(
+            f"{where}: field {field!r} is {_type_name(value)}; expected a string or a non-empty list of "
+            f"chat messages {{'role': ..., 'content': ...}}"
+        )
+    messages = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise DatasetError(f"{where}: field {field!r}[{i}] is {_type_name(msg)}; expected a message object")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in ROLES:
+            raise DatasetError(f"{where}: field {field!r}[{i}].role is {role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise DatasetError(f"{where}: field {field!r}[{i}].content is {_type_name(content)}; expected a string")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def to_answer(value: Any, where: str, field: str) -> str:
+    """The reference answer as a string (numbers are converted)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise DatasetError(f"{where}: field {field!r} is {_type_name(value)}; expected a string or a number")
+
+
+def row_to_prompt(row: Any, where: str, uid: str, source: str, cfg: DataConfig) -> Prompt:
+    """One dataset row -> Prompt; other fields of the row go to `Prompt.info`."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: row is {_type_name(row)}; expected an object with fields")
+    for field in (cfg.prompt_field, cfg.answer_field):
+        if field not in row:
+            raise DatasetError(
+                f"{where}: missing field {field!r} (row has: {', '.join(map(str, row)) or 'no fields'}); "
+                f"set data.prompt_field / data.answer_field to the right names"
+            )
+    messages = to_messages(row[cfg.prompt_field], where, cfg.prompt_field)
+    answer = to_answer(row[cfg.answer_field], where, cfg.answer_field)
+    info = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field)}
+    return Prompt(uid=uid, messages=messages, answer=answer, source=source, info=info)
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) for each non-blank line."""
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    where = f"{path}, line {lineno}"
+                    raise DatasetError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from exc
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+
+
+def _table_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a Parquet file or an HF `datasets` directory (the 'train' split of a DatasetDict)."""
+    if path.is_dir():
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as exc:  # datasets raises FileNotFoundError or its own types
+            raise DatasetError(f"{path}: not a datasets.save_to_disk directory: {exc}") from exc
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DatasetError(f"{path}: DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+            ds = ds["train"]
+        return ds.to_list()
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises ArrowInvalid and OSError subclasses
+        raise DatasetError(f"{path}: cannot read Parquet: {exc}") from exc
+
+
+def load_prompts(path: str | Path, cfg: DataConfig) -> list[Prompt]:
+    """All rows of a JSONL / Parquet file or HF directory as prompts; DatasetError when none or bad."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"dataset not found: {path}")
+    if path.is_dir():
+        rows = enumerate(_table_rows(path))
+        unit = "row"
+    elif path.suffix == ".jsonl":
+        rows, unit = _jsonl_rows(path), "line"
+    elif path.suffix == ".parquet":
+        rows, unit = enumerate(_table_rows(path)), "row"
+    else:
+        raise DatasetError(
+            f"{path}: unsupported dataset format {path.suffix!r}; expected one of {', '.join(SUFFIXES)} "
+            f"or a datasets.save_to_disk directory"
+        )
+    prompts = [
+        row_to_prompt(row, f"{path}, {unit} {n}", f"{path}#{n}", f"{path.name}:{unit} {n}", cfg) for n, row in rows
+    ]
+    if not prompts:
+        raise DatasetError(f"{path}: dataset is empty (no rows)")
+    return prompts
+
+
+def held_out_size(num_rows: int, eval_size: int) -> int:
+    """Rows held out when there is no eval file: min(eval_size, rows // 10), at least 1."""
+    return max(1, min(eval_size, num_rows // 10))
+
+
+class FileDataset:
+    """Prompts from a file (`data.path`), with a fixed eval split and a seeded order per epoch."""
+
+    default_reward = "math"
+
+    def __init__(self, cfg: DataConfig, seed: int) -> None:
+        assert cfg.path is not None, "FileDataset needs data.path"
+        self.name = Path(cfg.path).name
+        self.seed = seed
+        rows = load_prompts(cfg.path, cfg)
+        if cfg.eval_path is not None:
+            self._eval, train = load_prompts(cfg.eval_path, cfg), rows
+        else:
+            self._eval, train = self._split(rows, cfg)
+        eval_chats = {_chat_key(p) for p in self._eval}
+        self._train = [p for p in train if _chat_key(p) not in eval_chats]
+        self.dropped_overlap = len(train) - len(self._train)  # training rows equal to an eval prompt
+        if not self._train:
+            raise DatasetError(f"{cfg.path}: no training rows left after removing those equal to eval prompts")
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+
+    def _split(self, rows: list[Prompt], cfg: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
+        if len(rows) < 2:
+            raise DatasetError(
+                f"{cfg.path}: {len(rows)} row; need at least 2 to hold out an eval row (or set data.eval_path)"
+            )
+        picked = random.Random(EVAL_SEED).sample(range(len(rows)), held_out_size(len(rows), cfg.eval_size))
+        chosen = set(picked)
+        return [rows[i] for i in picked], [p for i, p in enumerate(rows) if i not in chosen]
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch != self._perm_epoch:
+            self._perm = list(range(len(self._train)))
+            random.Random(f"{self.name}-train-{self.seed}-{epoch}").shuffle(self._perm)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def train_prompt(self, position: int) -> Prompt:
+        """Row at `position` of the concatenated per-epoch permutations."""
+        if position < 0:
+            raise ValueError(f"dataset {self.name!r}: position must be >= 0, got {position}")
+        epoch, index = divmod(position, len(self._train))
+        return self._train[self._permutation(epoch)[index]]
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        """First `n` prompts of the held-out split."""
+        if n < 0 or n > len(self._eval):
+            raise ValueError(
+                f"dataset {self.name!r}: asked for {n} eval prompts but the held-out split has {len(self._eval)}; "
+                f"lower eval.n, raise data.eval_size or give a larger data.eval_path"
+            )
+        return list(self._eval[:n])
+
+    @property
+    def num_train(self) -> int:
+        return len(self._train)
+
+
+def _chat_key(prompt: Prompt) -> tuple[tuple[str, str], ...]:
+    return tuple((m["role"], m["content"]) for m in prompt.messages)

@@ -1,0 +1,264 @@
+"""Prompt sources: the protocol, the task registry and the built-in procedural tasks.
+
+A prompt source gives training prompts by position (0, 1, 2, ... counts prompts consumed, so a resumed run
+continues the same order) and a FIXED held-out evaluation split that does not depend on the training seed.
+
+Built-in tasks draw problems from a seeded RNG. Their evaluation split is drawn first, with a fixed seed; a
+training draw whose text equals an evaluation prompt is redrawn, so the two never share a prompt text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from rollwise.config import DataConfig
+from rollwise.registry import Registry
+from rollwise.types import Prompt
+
+EVAL_SEED = 1_000_003  # fixed: the held-out split is the same whatever the training seed
+MAX_REDRAWS = 1000  # training draws that may hit the eval split before we give up
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """Where prompts come from: a procedural task or a file dataset."""
+
+    name: str
+    default_reward: str  # a name in rollwise.rewards.REWARDS
+
+    def train_prompt(self, position: int) -> Prompt:
+        """The training prompt at `position`: a deterministic function of (seed, position)."""
+        ...
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        """The first `n` prompts of the fixed held-out split; ValueError when `n` exceeds the split."""
+        ...
+
+
+TaskFactory = Callable[[DataConfig, int], PromptSource]
+TASKS: Registry[TaskFactory] = Registry("task")
+
+
+def user_prompt(uid: str, text: str, answer: str, source: str, info: dict[str, Any]) -> Prompt:
+    """A one-user-turn prompt."""
+    return Prompt(uid=uid, messages=[{"role": "user", "content": text}], answer=answer, source=source, info=info)
+
+
+def text_uid(task: str, text: str) -> str:
+    """A stable id derived from the prompt text: the same problem always has the same uid."""
+    return f"{task}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+class ProceduralTask:
+    """Base of the built-in tasks: subclasses define `draw(rng)` and `num_distinct()`."""
+
+    name = "task"
+    default_reward = "exact"
+
+    def __init__(self, cfg: DataConfig, seed: int) -> None:
+        self.seed = seed
+        self.eval_size = cfg.eval_size
+
+    def draw(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        """One random problem: (prompt text, answer, info)."""
+        raise NotImplementedError
+
+    def num_distinct(self) -> int:
+        """How many distinct prompt texts `draw` can produce."""
+        raise NotImplementedError
+
+    def _build_eval_split(self) -> None:
+        """Draw `eval_size` distinct prompts with the fixed eval seed; check room is left for training."""
+        space = self.num_distinct()
+        if space - self.eval_size < self.eval_size:
+            raise ValueError(
+                f"task {self.name!r}: only {space} distinct prompts ({self.describe()}), too few for an eval "
+                f"split of {self.eval_size} (data.eval_size) plus a training pool at least as large; lower "
+                f"data.eval_size to at most {space // 2} or enlarge the problem space"
+            )
+        rng = random.Random(f"{self.name}-eval-{EVAL_SEED}")
+        self._eval: list[Prompt] = []
+        self._eval_texts: set[str] = set()
+        for _ in range(100 * self.eval_size + 10_000):
+            if len(self._eval) == self.eval_size:
+                return
+            text, answer, info = self.draw(rng)
+            if text not in self._eval_texts:
+                self._eval_texts.add(text)
+                source = f"{self.name}:eval {len(self._eval)}"
+                self._eval.append(user_prompt(text_uid(self.name, text), text, answer, source, info))
+        raise RuntimeError(f"task {self.name!r}: could not draw {self.eval_size} distinct eval prompts")
+
+    def describe(self) -> str:
+        """Short description of the problem space, for error messages."""
+        return self.name
+
+    def train_prompt(self, position: int) -> Prompt:
+        """Training prompt at `position`; never equal in text to an eval prompt."""
+        if position < 0:
+            raise ValueError(f"task {self.name!r}: position must be >= 0, got {position}")
+        rng = random.Random(f"{self.name}-train-{self.seed}-{position}")
+        for _ in range(MAX_REDRAWS):
+            text, answer, info = self.draw(rng)
+            if text not in self._eval_texts:
+                source = f"{self.name}:train {position}"
+                return user_prompt(text_uid(self.name, text), text, answer, source, info)
+        raise RuntimeError(f"task {self.name!r}: {MAX_REDRAWS} draws in a row hit the eval split")
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        """First `n` prompts of the fixed held-out split."""
+        if n < 0 or n > len(self._eval):
+            raise ValueError(
+                f"task {self.name!r}: asked for {n} eval prompts but the held-out split has {len(self._eval)} "
+                f"(data.eval_size); lower eval.n or raise data.eval_size"
+            )
+        return list(self._eval[:n])
+
+
+# --------------------------------------------------------------------------------------------- arith
+
+GENERIC_PHRASINGS = (
+    "What is {a} {op} {b}?",
+    "Compute {a} {op} {b}.",
+    "Calculate {a} {op} {b}.",
+    "{a} {op} {b} = ?",
+    "What does {a} {op} {b} equal?",
+    "Find the value of {a} {op} {b}.",
+)
+WORDED_PHRASINGS = {
+    "+": ("What do you get when you add {b} to {a}?", "What is the sum of {a} and {b}?"),
+    "-": ("What do you get when you subtract {b} from {a}?", "What is {a} minus {b}?"),
+    "*": ("What do you get when you multiply {a} by {b}?", "What is the product of {a} and {b}?"),
+}
+
+
+def arith_phrasings(op: str) -> tuple[str, ...]:
+    """All phrasings for one operator (each one maps distinct operands to distinct texts)."""
+    return GENERIC_PHRASINGS + WORDED_PHRASINGS[op]
+
+
+class ArithTask(ProceduralTask):
+    """Integer arithmetic: `a op b` with `cfg.digits`-digit operands; subtraction results are >= 0."""
+
+    name = "arith"
+    default_reward = "arith"
+
+    def __init__(self, cfg: DataConfig, seed: int) -> None:
+        super().__init__(cfg, seed)
+        self.digits = cfg.digits
+        self.ops = list(dict.fromkeys(cfg.ops))  # de-duplicated, order kept
+        self._build_eval_split()
+
+    def describe(self) -> str:
+        return f"{self.digits}-digit operands, ops {' '.join(self.ops)}"
+
+    def num_distinct(self) -> int:
+        values = 10**self.digits
+        pairs = {"+": values * values, "*": values * values, "-": values * (values + 1) // 2}
+        return sum(pairs[op] * len(arith_phrasings(op)) for op in self.ops)
+
+    def draw(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        op = rng.choice(self.ops)
+        a = rng.randrange(10**self.digits)
+        b = rng.randrange(10**self.digits)
+        if op == "-" and a < b:
+            a, b = b, a
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        text = rng.choice(arith_phrasings(op)).format(a=a, b=b, op=op)
+        return text, str(value), {"a": a, "b": b, "op": op}
+
+
+@TASKS.register("arith")
+def arith_task(cfg: DataConfig, seed: int) -> ArithTask:
+    """Built-in arithmetic task (see `ArithTask`)."""
+    return ArithTask(cfg, seed)
+
+
+# ------------------------------------------------------------------------------------------- letters
+
+COUNT_PHRASINGS = (
+    "How many times does the letter '{letter}' appear in '{word}'?",
+    "How many times does the letter '{letter}' appear in the word '{word}'?",
+    "Count how many times the letter '{letter}' occurs in '{word}'.",
+    "In the word '{word}', how many times does the letter '{letter}' appear?",
+    "How many '{letter}' letters are there in '{word}'?",
+)
+LENGTH_PHRASINGS = (
+    "How many letters are in the word '{word}'?",
+    "How many letters does the word '{word}' have?",
+    "Count the letters in the word '{word}'.",
+    "What is the length of the word '{word}', in letters?",
+)
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+COUNT_FRACTION = 0.75  # share of letter-count questions; the rest ask for the word length
+ABSENT_FRACTION = 0.2  # share of count questions about a letter the word does not contain
+
+
+@lru_cache(maxsize=1)
+def load_words() -> tuple[str, ...]:
+    """The packaged word list (`rollwise/data/words.txt`): lowercase a-z words, comments skipped."""
+    text = resources.files("rollwise.data").joinpath("words.txt").read_text(encoding="utf-8")
+    words = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    bad = [w for w in words if not (w.isascii() and w.isalpha() and w.islower())]
+    if bad:
+        raise ValueError(f"rollwise/data/words.txt: not lowercase a-z words: {bad[:5]}")
+    return tuple(dict.fromkeys(words))
+
+
+class LettersTask(ProceduralTask):
+    """Letter counting ('r' in 'strawberry') and word length questions over the packaged word list."""
+
+    name = "letters"
+    default_reward = "letters"
+
+    def __init__(self, cfg: DataConfig, seed: int) -> None:
+        super().__init__(cfg, seed)
+        self.words = load_words()
+        self._build_eval_split()
+
+    def describe(self) -> str:
+        return f"{len(self.words)} words"
+
+    def num_distinct(self) -> int:
+        return len(self.words) * (len(ALPHABET) * len(COUNT_PHRASINGS) + len(LENGTH_PHRASINGS))
+
+    def draw(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        word = rng.choice(self.words)
+        if rng.random() >= COUNT_FRACTION:
+            text = rng.choice(LENGTH_PHRASINGS).format(word=word)
+            return text, str(len(word)), {"kind": "length", "word": word}
+        present = sorted(set(word))
+        absent = [c for c in ALPHABET if c not in present]
+        letter = rng.choice(absent if rng.random() < ABSENT_FRACTION and absent else present)
+        text = rng.choice(COUNT_PHRASINGS).format(word=word, letter=letter)
+        return text, str(word.count(letter)), {"kind": "count", "word": word, "letter": letter}
+
+
+@TASKS.register("letters")
+def letters_task(cfg: DataConfig, seed: int) -> LettersTask:
+    """Built-in letters task (see `LettersTask`)."""
+    return LettersTask(cfg, seed)
+
+
+# --------------------------------------------------------------------------------------------- build
+
+
+def build_prompt_source(cfg: DataConfig, seed: int) -> PromptSource:
+    """The file dataset at `cfg.path` when set, else the task `cfg.task` (built-in or 'pkg.mod:factory')."""
+    if cfg.path is not None:
+        from rollwise.data.files import FileDataset
+
+        return FileDataset(cfg, seed)
+    factory = TASKS.get(cfg.task)
+    source = factory(cfg, seed)
+    missing = [a for a in ("name", "default_reward", "train_prompt", "eval_prompts") if not hasattr(source, a)]
+    if missing:
+        raise TypeError(
+            f"task {cfg.task!r} returned {type(source).__name__}, which lacks {', '.join(missing)}; "
+            f"a task factory must return a PromptSource (name, default_reward, train_prompt, eval_prompts)"
+        )
+    return source

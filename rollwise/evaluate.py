@@ -1,0 +1,39 @@
+"""Held-out evaluation: sampled and greedy accuracy on a task's fixed evaluation split."""
+
+from __future__ import annotations
+
+from rollwise.generate.base import Engine
+from rollwise.rewards import score_samples
+from rollwise.rollout import generate_groups
+from rollwise.types import Prompt, SamplingParams, Status
+
+EVAL_SEED = 1234  # evaluation samples from its own stream, so it never shifts training's RNG
+
+
+def evaluate(
+    engine: Engine,
+    prompts: list[tuple[Prompt, list[int]]],
+    reward_fn,
+    temperature: float,
+    max_new_tokens: int,
+    greedy: bool = True,
+) -> dict[str, float]:
+    """One response per prompt at `temperature` (and one greedy). Returns `eval/*` metrics:
+    `eval/sampled_accuracy`, `eval/greedy_accuracy`, `eval/response_len_mean`,
+    `eval/greedy_response_len_mean`, `eval/n`, `eval/reward_errors`.
+    """
+    out: dict[str, float] = {"eval/n": float(len(prompts))}
+    modes = [("sampled", temperature)] + ([("greedy", 0.0)] if greedy else [])
+    for label, temp in modes:
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, seed=EVAL_SEED)
+        groups = generate_groups(engine, prompts, 1, params)
+        samples = [g.samples[0] for g in groups]
+        metrics = score_samples(samples, reward_fn)
+        scored = [s for s in samples if s.status != Status.FAILED]  # failed rewards are errors, not wrong answers
+        n = max(1, len(samples))
+        prefix = "eval/" if label == "sampled" else "eval/greedy_"
+        out[f"eval/{label}_accuracy"] = sum(bool(s.correct) for s in scored) / max(1, len(scored))
+        out[f"{prefix}response_len_mean"] = sum(len(s.response_ids) for s in samples) / n
+        out[f"{prefix}truncated_frac"] = sum(s.status.value == "truncated" for s in samples) / n
+        out[f"{prefix}reward_errors"] = metrics.get("reward/errors", 0.0)
+    return out

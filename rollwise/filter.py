@@ -1,0 +1,52 @@
+"""The Filter stage: group and sample filters returning `FilterResult(keep, reason)`.
+
+Drop reasons are counted as `filter/<reason>` metrics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from rollwise.registry import Registry
+from rollwise.types import FilterResult, Group
+
+GroupFilter = Callable[[Group], FilterResult]
+GROUP_FILTERS: Registry = Registry("group filter")
+
+
+@GROUP_FILTERS.register("all_failed")
+def all_failed(group: Group) -> FilterResult:
+    """Drop a group none of whose samples could be scored."""
+    return FilterResult(keep=bool(group.usable()), reason="all_failed")
+
+
+@GROUP_FILTERS.register("zero_variance")
+def zero_variance(group: Group) -> FilterResult:
+    """Drop a group whose usable rewards all equal each other: its GRPO advantages are all zero
+    (DAPO's dynamic-sampling criterion, Yu et al. 2025)."""
+    rewards = {s.reward for s in group.usable()}
+    return FilterResult(keep=len(rewards) > 1, reason="zero_variance")
+
+
+def filter_groups(groups: list[Group], names: list[str]) -> tuple[list[Group], dict[str, float]]:
+    """Apply group filters in order; returns kept groups and `filter/*` metrics.
+
+    `filter/<reason>_frac` is the fraction of all groups dropped for that reason, `filter/kept_frac`
+    the fraction kept.
+    """
+    filters = [GROUP_FILTERS.get(n) for n in names]
+    kept, dropped = [], Counter()
+    for group in groups:
+        for fn in filters:
+            result = fn(group)
+            if not result.keep:
+                dropped[result.reason] += 1
+                break
+        else:
+            kept.append(group)
+    total = max(1, len(groups))
+    metrics = {f"filter/{name}_frac": dropped[name] / total for name in ["all_failed", "zero_variance", *dropped]}
+    metrics["filter/kept_frac"] = len(kept) / total
+    metrics["filter/groups_kept"] = float(len(kept))
+    return kept, metrics

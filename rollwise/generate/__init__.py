@@ -1,0 +1,6 @@
+"""Rollout engines behind one protocol (`Engine`)."""
+
+from rollwise.generate.base import Engine
+from rollwise.generate.torch_engine import TorchEngine
+
+__all__ = ["Engine", "TorchEngine"]

@@ -1,0 +1,186 @@
+"""The RL lifecycle loop: Generate -> Score -> Filter -> Control -> Train -> Sync.
+
+Read `rl_step` top to bottom to see one step; `train` wraps it with evaluation, checkpoints,
+metrics and the console view.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from rollwise import algo
+from rollwise.config import Config
+from rollwise.evaluate import evaluate
+from rollwise.filter import filter_groups
+from rollwise.metrics import ConsoleView, print_summary, write_report
+from rollwise.rewards import score_samples
+from rollwise.rollout import generate_groups, sampling_params
+from rollwise.session import Run, open_run, save_run
+from rollwise.sync import sync_weights
+from rollwise.types import Group, Sample
+
+
+# always present in a training row (null when not measured: no update this step, or no reference model)
+TRAIN_KEYS = ("train/loss", "train/kl", "train/entropy", "train/clip_frac", "train/grad_norm",
+              "mismatch/logprob_abs_diff_mean", "mismatch/k3")
+
+
+class StageTimer:
+    """Wall time per stage, reported as `perf/time/<stage>_s`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"perf/time/{k}_s": v for k, v in self.seconds.items()}
+
+
+def assign_advantages(groups: list[Group], cfg: Config) -> list[Sample]:
+    """Set `sample.advantage` from group-normalised rewards; returns the samples to train on."""
+    samples = [s for g in groups for s in g.usable()]
+    if not samples:
+        return []
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # [N]
+    group_ids = torch.tensor([s.group_id for s in samples])  # [N]
+    options = {"scale": cfg.algo.scale_rewards == "group"} if cfg.algo.advantage == "grpo" else {}
+    advantages = algo.advantage(cfg.algo.advantage, rewards, group_ids, **options)  # [N]
+    for s, a in zip(samples, advantages.tolist()):
+        s.advantage = a
+    return samples
+
+
+def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
+    """One RL step. Returns its metrics row and the groups it generated."""
+    cfg, timer = run.cfg, StageTimer()
+    step_start = time.perf_counter()
+    with timer("rollout"):  # Generate
+        prompts = run.next_prompts(cfg.rollout.prompts_per_step)
+        groups = generate_groups(run.engine, prompts, cfg.rollout.samples_per_prompt,
+                                 sampling_params(cfg.rollout), first_group_id=run.step * len(prompts))
+    all_samples = [s for g in groups for s in g.samples]
+    with timer("reward"):  # Score
+        reward_metrics = score_samples(all_samples, run.reward_fn)
+    with timer("filter"):  # Filter (+ Control: the batch is the kept groups)
+        filters = ["all_failed"] + (["zero_variance"] if cfg.algo.filter_zero_variance else [])
+        kept, filter_metrics = filter_groups(groups, filters)
+        samples = assign_advantages(kept, cfg)
+    train_metrics: dict[str, float] = {}
+    with timer("train"):  # Train
+        if samples:
+            train_metrics = run.trainer.step(samples)
+        else:
+            run.trainer.skip_step()  # nothing to learn from: the schedule still advances
+    with timer("sync"):  # Sync weights
+        sync_weights(run.model, [run.engine], version=run.step + 1)
+    run.step += 1
+    row = {"step": run.step, "kind": "train", **dict.fromkeys(TRAIN_KEYS), **reward_metrics, **filter_metrics,
+           **train_metrics}
+    row.update(rollout_metrics(all_samples, timer.seconds["rollout"]))
+    row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
+    row.update(run.encoder.metrics())
+    row["perf/elapsed_s"] = time.time() - run.started_at
+    run.totals["tokens_generated"] += row["rollout/tokens"]
+    run.totals["tokens_trained"] += row.get("train/tokens", 0.0)
+    return row, groups
+
+
+def rollout_metrics(samples: list[Sample], rollout_s: float) -> dict[str, float]:
+    lengths = [len(s.response_ids) for s in samples]
+    n = max(1, len(samples))
+    return {
+        "rollout/response_len_mean": sum(lengths) / n,
+        "rollout/response_len_max": float(max(lengths, default=0)),
+        "rollout/truncated_frac": sum(s.status.value == "truncated" for s in samples) / n,
+        "rollout/tokens": float(sum(lengths)),
+        "perf/rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
+    }
+
+
+def perf_metrics(row: dict[str, float], timer: StageTimer, step_s: float) -> dict[str, float]:
+    train_s = timer.seconds.get("train", 0.0)
+    return {
+        **timer.metrics(),
+        "perf/step_s": step_s,
+        "perf/rollout_s": timer.seconds.get("rollout", 0.0),
+        "perf/train_s": train_s,
+        "perf/train_tokens_per_s": row.get("train/tokens", 0.0) / max(train_s, 1e-9),
+        "perf/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
+def run_eval(run: Run) -> dict[str, float]:
+    cfg = run.cfg
+    start = time.perf_counter()
+    metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, cfg.eval.temperature,
+                       cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy)
+    row = {"step": run.step, "kind": "eval", **metrics, "perf/time/eval_s": time.perf_counter() - start}
+    run.writer.write(row)
+    return row
+
+
+def log_samples(run: Run, groups: list[Group]) -> None:
+    """Write a subset of this step's prompts, responses and rewards to `samples/step-N.jsonl`."""
+    n = run.cfg.run.samples_logged_per_step
+    if n <= 0:
+        return
+    out = run.run_dir / "samples" / f"step-{run.step}.jsonl"
+    out.parent.mkdir(exist_ok=True)
+    picked = [s for g in groups for s in g.samples][:: max(1, run.cfg.rollout.samples_per_prompt // 2)][:n]
+    with out.open("w") as f:
+        for s in picked:
+            f.write(json.dumps({"prompt": s.prompt.messages[-1]["content"], "answer": s.prompt.answer,
+                                "response": s.response_text, "reward": s.reward, "status": s.status.value,
+                                "error": s.reward_error}) + "\n")
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
+    """Run (or resume) training to `train.steps`; returns the summary printed at the end."""
+    run = open_run(cfg, run_dir, resume)
+    first_eval = run_eval(run) if run.step == 0 and cfg.eval.n > 0 else None
+    with ConsoleView(cfg.train.steps, enabled=cfg.run.console, start_step=run.step) as view:
+        if first_eval:
+            view.eval(first_eval)
+        while run.step < cfg.train.steps:
+            row, groups = rl_step(run)
+            run.writer.write(row)
+            log_samples(run, groups)
+            view.update(run.step, row)
+            if cfg.eval.every_steps and run.step % cfg.eval.every_steps == 0 and run.step < cfg.train.steps:
+                view.eval(run_eval(run))
+            if cfg.run.save_every_steps and run.step % cfg.run.save_every_steps == 0:
+                save_run(run)
+    last_eval = run_eval(run) if cfg.eval.n > 0 else None
+    save_run(run)
+    return finish(run, first_eval, last_eval)
+
+
+def finish(run: Run, first_eval: dict | None, last_eval: dict | None) -> dict:
+    from rollwise.metrics.report import summarize
+
+    if run.cfg.run.report:
+        write_report(run.run_dir)
+    history = summarize(run.run_dir)
+    summary = {
+        "eval_before": first_eval or history.get("first_eval") or {},
+        "eval_after": last_eval or {},
+        "wall_s": time.time() - run.started_at,
+        "tokens_generated": run.totals["tokens_generated"],
+        "tokens_trained": run.totals["tokens_trained"],
+        "steps": run.step,
+        "run_dir": str(run.run_dir),
+    }
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_summary(summary)
+    return summary

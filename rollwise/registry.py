@@ -1,0 +1,63 @@
+"""Name -> implementation registries, and user plugins by dotted path (`pkg.module:fn`).
+
+Every registry holds callables with one signature, checked by `tests/test_registry_contract.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Generic, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Registry(Generic[F]):
+    """A named collection of callables of one kind (advantages, losses, rewards, tasks...)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        def decorator(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._entries[name] = fn
+            return fn
+
+        return decorator
+
+    def get(self, name: str) -> F:
+        """Look up `name`, or import it when it is a dotted path `pkg.module:attr`."""
+        if name in self._entries:
+            return self._entries[name]
+        if ":" in name:
+            return load_dotted(name)  # type: ignore[return-value]
+        raise KeyError(
+            f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._entries))} "
+            f"(or give a plugin as 'package.module:function')"
+        )
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def items(self) -> list[tuple[str, F]]:
+        return sorted(self._entries.items())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries or ":" in name
+
+
+def load_dotted(path: str) -> Any:
+    """Import `pkg.module:attr` and return the attribute, with a clear error when it is missing."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"plugin path {path!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} for plugin {path!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (plugin {path!r})") from exc

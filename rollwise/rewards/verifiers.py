@@ -1,0 +1,141 @@
+"""Built-in verifiers, registered in `REWARDS`: `arith`, `letters`, `math`, `exact`.
+
+Each is `fn(sample) -> RewardResult` reading `sample.response_text` and `sample.prompt.answer`, with
+value 1.0 / 0.0, parts `correct` (1.0 / 0.0) and `format` (1.0 when an answer could be extracted),
+and sets `sample.correct`. A missing or unusable reference raises: `score_samples` counts that as an error.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from typing import Callable
+
+from rollwise.registry import Registry
+from rollwise.types import RewardResult, Sample
+
+RewardFn = Callable[[Sample], RewardResult]
+REWARDS: Registry[RewardFn] = Registry("reward")
+
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own signal-based limit per parse / comparison (main thread only)
+REL_TOL = 1e-6  # numeric fallback of `math`
+
+# A number: optional minus, digits with optional thousands commas ("1,234"), optional decimals.
+NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
+
+
+def find_numbers(text: str) -> list[str]:
+    """Numbers in `text` in order, commas removed; a minus glued to a word or digit ("6-5") is not a sign."""
+    numbers = []
+    for match in NUMBER_RE.finditer(text):
+        number = match.group()
+        if number.startswith("-") and match.start() > 0 and text[match.start() - 1].isalnum():
+            number = number[1:]
+        numbers.append(number.replace(",", ""))
+    return numbers
+
+
+def final_number(text: str) -> str | None:
+    """The final answer: the last number inside the last `\\boxed{...}`, else the last number in the text."""
+    boxed = BOXED_RE.findall(text)
+    if boxed:
+        inside = find_numbers(boxed[-1])
+        if inside:
+            return inside[-1]
+    numbers = find_numbers(text)
+    return numbers[-1] if numbers else None
+
+
+def as_integer(number: str | None) -> int | None:
+    """'12' -> 12, '12.0' -> 12, '-3' -> -3; None when absent or not a whole number."""
+    if number is None:
+        return None
+    if "." in number:
+        whole, _, frac = number.partition(".")
+        if frac.strip("0"):
+            return None
+        number = whole
+    return int(number)
+
+
+def final_integer(text: str) -> int | None:
+    """The response's final answer as an integer (see `final_number`); None when there is none."""
+    return as_integer(final_number(text))
+
+
+def reference(sample: Sample) -> str:
+    """The prompt's reference answer; ValueError naming the prompt when it has none."""
+    answer = sample.prompt.answer
+    if answer is None or not str(answer).strip():
+        raise ValueError(f"prompt {sample.prompt.source or sample.prompt.uid!r} has no reference answer")
+    return str(answer).strip()
+
+
+def verdict(sample: Sample, correct: bool, found: bool) -> RewardResult:
+    """Mark `sample.correct` and build the 1.0 / 0.0 result."""
+    sample.correct = bool(correct)
+    value = 1.0 if correct else 0.0
+    return RewardResult(value=value, parts={"correct": value, "format": 1.0 if found else 0.0})
+
+
+def integer_reward(sample: Sample) -> RewardResult:
+    """Correct when the last integer of the response equals the integer reference."""
+    ref = reference(sample)
+    gold = as_integer(ref.replace(",", "")) if NUMBER_RE.fullmatch(ref) else None
+    if gold is None:
+        raise ValueError(f"reference answer {ref!r} of prompt {sample.prompt.source!r} is not an integer")
+    pred = final_integer(sample.response_text)
+    return verdict(sample, pred == gold, found=pred is not None)
+
+
+REWARDS.register("arith")(integer_reward)
+REWARDS.register("letters")(integer_reward)
+
+
+def _math_verify_timeout() -> int | None:
+    """math-verify's timeouts use SIGALRM, which only works in the main thread; elsewhere run without."""
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _as_latex(ref: str) -> str:
+    """Wrap a plain gold answer in `$...$` so math-verify parses it ('12', '\\frac{1}{2}')."""
+    if "$" in ref or "\\boxed" in ref or "\\(" in ref or "\\[" in ref:
+        return ref
+    return f"${ref}$"
+
+
+def numeric_match(ref: str, text: str) -> tuple[bool, bool]:
+    """Fallback: (correct, found) comparing the last number of `text` with a numeric reference."""
+    pred = final_number(text)
+    try:
+        gold = float(ref.replace(",", ""))
+    except ValueError:
+        return False, pred is not None
+    if pred is None:
+        return False, False
+    return math.isclose(float(pred), gold, rel_tol=REL_TOL), True
+
+
+@REWARDS.register("math")
+def math_reward(sample: Sample) -> RewardResult:
+    """math-verify equivalence of the response and the reference; numeric fallback when either won't parse."""
+    from math_verify import parse, verify
+
+    ref = reference(sample)
+    limit = _math_verify_timeout()
+    gold = parse(_as_latex(ref), parsing_timeout=limit)
+    pred = parse(sample.response_text, parsing_timeout=limit)
+    if gold and pred:
+        return verdict(sample, bool(verify(gold, pred, timeout_seconds=limit)), found=True)
+    correct, found = numeric_match(ref, sample.response_text)
+    return verdict(sample, correct, found)
+
+
+@REWARDS.register("exact")
+def exact_reward(sample: Sample) -> RewardResult:
+    """Stripped string equality of the response and the reference."""
+    ref = reference(sample)
+    text = sample.response_text.strip()
+    return verdict(sample, text == ref, found=bool(text))

@@ -1,0 +1,163 @@
+"""Build everything a run needs from its config, and save or restore its state.
+
+`open_run` returns a `Run`: the components of the loop (engine, trainer, data, rewards, sinks)
+and its counters. `save_run` writes a checkpoint; a run opened with `resume=True` continues from
+the newest complete one with the same data order, RNG streams and optimizer state.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollwise.config import Config, to_toml
+from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
+from rollwise.generate import TorchEngine
+from rollwise.hardware import configure_threads
+from rollwise.metrics import MetricsWriter, truncate_after
+from rollwise.models import load_model
+from rollwise.rewards import build_reward_fn
+from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from rollwise.train.trainer import Trainer
+from rollwise.types import Prompt
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Run:
+    """A training run's components and counters."""
+
+    cfg: Config
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    engine: TorchEngine
+    trainer: Trainer
+    source: PromptSource
+    encoder: PromptEncoder
+    reward_fn: Any
+    writer: MetricsWriter
+    step: int = 0
+    data_position: int = 0
+    totals: dict[str, float] = field(default_factory=lambda: {"tokens_generated": 0.0, "tokens_trained": 0.0})
+    started_at: float = field(default_factory=time.time)
+    eval_prompts: list[tuple[Prompt, list[int]]] = field(default_factory=list)
+
+    def next_prompts(self, n: int) -> list[tuple[Prompt, list[int]]]:
+        """The next `n` training prompts that fit `max_prompt_tokens` (longer ones are skipped and counted)."""
+        out = []
+        skipped = 0
+        while len(out) < n:
+            prompt = self.source.train_prompt(self.data_position)
+            self.data_position += 1
+            ids = self.encoder.encode(prompt)
+            if ids is None:
+                skipped += 1
+                if skipped > 100 * n:
+                    raise RuntimeError(
+                        f"over {100 * n} prompts in a row exceed data.max_prompt_tokens="
+                        f"{self.cfg.data.max_prompt_tokens}; raise it"
+                    )
+                continue
+            out.append((prompt, ids))
+        return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
+    """Build the run's components; with `resume`, restore the newest complete checkpoint."""
+    configure_threads(cfg.model.threads)
+    seed_everything(cfg.train.seed)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
+    model, tokenizer = load_model(str(ckpt) if ckpt else cfg.model.name, dtype=torch.float32)
+    ref_model = None
+    if cfg.algo.kl_coef > 0:  # the frozen reference is always the starting model
+        ref_model, _ = load_model(cfg.model.name, dtype=torch.float32)
+        ref_model.eval().requires_grad_(False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = TorchEngine(model, tokenizer, dtype=DTYPES[cfg.model.dtype],
+                         max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
+    trainer = Trainer(model, cfg.train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature)
+    source = build_prompt_source(cfg.data, cfg.train.seed)
+    encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+    reward_fn = build_reward_fn(cfg.reward, source.default_reward)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    state = load_trainer_state(ckpt) if ckpt is not None else None
+    if state is not None:  # drop rows a killed run logged after its last checkpoint, before appending
+        truncate_after(run_dir, state["step"])
+    run = Run(cfg, run_dir, model, tokenizer, engine, trainer, source, encoder, reward_fn, MetricsWriter(run_dir))
+    run.eval_prompts = encode_eval_prompts(source, encoder, cfg.eval.n)
+    if state is not None:
+        restore_state(run, state)
+    return run
+
+
+def encode_eval_prompts(source: PromptSource, encoder: PromptEncoder, n: int) -> list[tuple[Prompt, list[int]]]:
+    """The first `n` held-out prompts that fit the prompt limit, encoded."""
+    dropped_before = encoder.dropped
+    out = [(p, ids) for p in source.eval_prompts(n) if (ids := encoder.encode(p)) is not None]
+    encoder.dropped = dropped_before  # count only training drops in data/ metrics
+    return out
+
+
+def trainer_state(run: Run) -> dict[str, Any]:
+    """Everything besides the weights that a resumed run needs to continue identically."""
+    return {
+        "step": run.step,
+        "data_position": run.data_position,
+        "optimizer": run.trainer.optimizer.state_dict(),
+        "scheduler": run.trainer.scheduler.state_dict(),
+        "rng": {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "engine": run.engine.generator.get_state(),
+        },
+        "engine_version": run.engine.version,
+        "totals": dict(run.totals),
+        "prompts_dropped": run.encoder.dropped,
+        "elapsed_s": time.time() - run.started_at,
+    }
+
+
+def restore_state(run: Run, state: dict[str, Any]) -> None:
+    run.step = state["step"]
+    run.data_position = state["data_position"]
+    run.trainer.optimizer.load_state_dict(state["optimizer"])
+    run.trainer.scheduler.load_state_dict(state["scheduler"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    run.engine.generator.set_state(state["rng"]["engine"])
+    run.engine.version = state["engine_version"]
+    run.totals = dict(state["totals"])
+    run.encoder.dropped = state.get("prompts_dropped", 0)
+    run.started_at = time.time() - state.get("elapsed_s", 0.0)
+
+
+def save_run(run: Run) -> Path:
+    """Write `checkpoints/step-N` (HF model + trainer state), atomically."""
+    return save_checkpoint(
+        run.run_dir, run.step, run.model, run.tokenizer, trainer_state(run), keep=run.cfg.run.keep_checkpoints
+    )
+
+
+def reference_copy(model):
+    """A frozen copy of `model` (used when no separate reference checkpoint is given)."""
+    return copy.deepcopy(model).eval().requires_grad_(False)

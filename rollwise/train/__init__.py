@@ -1,0 +1,1 @@
+"""Trainer: policy log-probabilities, optimizer and schedule, reference model, checkpoints."""

@@ -1,0 +1,138 @@
+"""Data contracts that cross stage boundaries.
+
+Only these types travel between Generate, Score, Filter, Control, Replay and Train.
+Token sequences are plain Python lists here; the trainer turns them into padded tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """Lifecycle of one response."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"  # stopped at EOS or a stop string
+    TRUNCATED = "truncated"  # hit max_new_tokens
+    ABORTED = "aborted"  # stopped by the controller; may be continued later
+    FAILED = "failed"  # reward function raised, or the sample is unusable
+
+
+Message = dict[str, str]
+
+
+@dataclass
+class Prompt:
+    """One prompt from a task or a dataset.
+
+    `messages` is a chat (list of {"role", "content"}); `answer` is the reference the verifier uses.
+    `source` names where it came from (task name or `file:row`) for error messages.
+    """
+
+    uid: str
+    messages: list[Message]
+    answer: str | None = None
+    source: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options. `temperature == 0` means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop: tuple[str, ...] = ()
+    seed: int | None = None  # a fixed seed for this request (evaluation); None uses the engine's stream
+
+
+@dataclass
+class GenerationRequest:
+    """What an engine is asked to do: continue `prompt_ids` (+ any earlier `response_ids`)."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    response_ids: list[int] = field(default_factory=list)  # tokens already generated (resume)
+    response_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class GenerationResult:
+    """Engine output for one request.
+
+    `logprobs[i]` is the log-probability of `response_ids[i]` under the distribution the engine
+    actually sampled from (after temperature, top-k and top-p): the behaviour logprob.
+    `version_spans` lists `(start, end, policy_version)` over response positions.
+    """
+
+    request_id: int
+    response_ids: list[int]
+    logprobs: list[float]
+    status: Status
+    version_spans: list[tuple[int, int, int]]
+    text: str = ""
+
+
+@dataclass
+class RewardResult:
+    """Outcome of one reward function on one sample. `error` is set when it failed."""
+
+    value: float
+    parts: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, with everything the trainer needs.
+
+    Lengths: `response_ids`, `behaviour_logprobs` and `loss_mask` all have the response length.
+    `version_spans`: `(start, end, policy_version)` over response positions (partial rollouts mix).
+    """
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    loss_mask: list[int]
+    status: Status
+    group_id: int
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    turn_boundaries: list[int] = field(default_factory=list)
+    response_text: str = ""
+    reward: float | None = None
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    reward_error: str | None = None
+    correct: bool | None = None
+    advantage: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class Group:
+    """The samples of one prompt (a GRPO group)."""
+
+    group_id: int
+    prompt: Prompt
+    samples: list[Sample]
+
+    def usable(self) -> list[Sample]:
+        return [s for s in self.samples if s.status != Status.FAILED]
+
+
+@dataclass
+class FilterResult:
+    """Keep/drop decision with the reason counted under `filter/<reason>`."""
+
+    keep: bool
+    reason: str = ""

@@ -1,0 +1,166 @@
+"""Built-in procedural tasks: determinism, fixed eval split, train/eval disjointness, correct answers."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+
+import pytest
+
+from rollwise.config import DataConfig
+from rollwise.data import TASKS, ArithTask, LettersTask, build_prompt_source, load_words
+from rollwise.data.tasks import arith_phrasings
+
+
+def texts(prompts):
+    return [p.messages[0]["content"] for p in prompts]
+
+
+def train_texts(source, n, start=0):
+    return [source.train_prompt(i).messages[0]["content"] for i in range(start, start + n)]
+
+
+@pytest.fixture(scope="module")
+def arith0():
+    return build_prompt_source(DataConfig(), seed=0)
+
+
+def test_registry_has_builtin_tasks():
+    assert {"arith", "letters"} <= set(TASKS.names())
+    assert isinstance(build_prompt_source(DataConfig(task="letters"), 0), LettersTask)
+
+
+def test_arith_prompt_shape(arith0):
+    prompt = arith0.train_prompt(0)
+    assert len(prompt.messages) == 1 and prompt.messages[0]["role"] == "user"
+    assert prompt.source == "arith:train 0"
+    assert arith0.default_reward == "arith" and arith0.name == "arith"
+    assert prompt.answer is not None and prompt.answer.isdigit()
+
+
+def test_same_seed_same_prompts_different_seed_different_order(arith0):
+    again = build_prompt_source(DataConfig(), seed=0)
+    other = build_prompt_source(DataConfig(), seed=1)
+    first = train_texts(arith0, 50)
+    assert first == train_texts(again, 50)
+    assert [p.answer for p in map(arith0.train_prompt, range(50))] == [again.train_prompt(i).answer for i in range(50)]
+    assert first != train_texts(other, 50)
+    # position is random access: asking out of order gives the same prompt
+    assert arith0.train_prompt(37).messages == again.train_prompt(37).messages
+
+
+def test_eval_split_is_fixed_distinct_and_seed_independent(arith0):
+    other = build_prompt_source(DataConfig(), seed=123)
+    held_out = texts(arith0.eval_prompts(512))
+    assert len(held_out) == len(set(held_out)) == 512
+    assert held_out == texts(other.eval_prompts(512))
+    assert texts(arith0.eval_prompts(10)) == held_out[:10]
+    assert [p.source for p in arith0.eval_prompts(2)] == ["arith:eval 0", "arith:eval 1"]
+
+
+def test_eval_request_larger_than_split_fails(arith0):
+    with pytest.raises(ValueError, match="held-out split has 512"):
+        arith0.eval_prompts(513)
+
+
+def test_training_never_uses_an_eval_prompt(arith0):
+    held_out = set(texts(arith0.eval_prompts(512)))
+    seen = set(train_texts(arith0, 20_000))
+    assert not seen & held_out
+    # the training pool is the rest of the 155 problems x 8 phrasings = 1240 texts
+    assert len(seen) == 155 * 8 - 512
+
+
+def test_letters_training_never_uses_an_eval_prompt():
+    source = build_prompt_source(DataConfig(task="letters", eval_size=600), seed=3)
+    held_out = set(texts(source.eval_prompts(600)))
+    assert len(held_out) == 600
+    assert not set(train_texts(source, 5000)) & held_out
+
+
+def test_same_problem_same_uid(arith0):
+    by_text = {}
+    for i in range(300):
+        prompt = arith0.train_prompt(i)
+        assert by_text.setdefault(prompt.messages[0]["content"], prompt.uid) == prompt.uid
+    assert len(set(by_text.values())) == len(by_text)
+
+
+def check_arith(prompt, digits):
+    info = prompt.info
+    a, b, op = info["a"], info["b"], info["op"]
+    assert 0 <= a < 10**digits and 0 <= b < 10**digits
+    assert int(prompt.answer) == {"+": a + b, "-": a - b, "*": a * b}[op]
+    assert int(prompt.answer) >= 0
+    numbers = [int(x) for x in re.findall(r"\d+", prompt.messages[0]["content"])]
+    assert sorted(numbers) == sorted([a, b])
+
+
+def test_arith_answers_and_operand_ranges():
+    source = build_prompt_source(DataConfig(digits=2, ops=["+", "-", "*"]), seed=5)
+    prompts = [source.train_prompt(i) for i in range(600)] + source.eval_prompts(100)
+    for prompt in prompts:
+        check_arith(prompt, digits=2)
+    assert {p.info["op"] for p in prompts} == {"+", "-", "*"}
+    assert max(max(p.info["a"], p.info["b"]) for p in prompts) >= 90
+
+
+def test_arith_uses_at_least_six_plain_phrasings(arith0):
+    templates = {re.sub(r"\d+", "N", t) for t in train_texts(arith0, 400)}
+    templates = {re.sub(r" [+-] ", " OP ", t) for t in templates}
+    assert len(templates) >= 6
+    for op in "+-*":
+        for phrasing in arith_phrasings(op):
+            assert "answer" not in phrasing.lower() and "only" not in phrasing.lower()
+
+
+def test_arith_space_too_small_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"only 440 distinct prompts.*data\.eval_size"):
+        ArithTask(DataConfig(ops=["-"]), seed=0)
+    assert len(ArithTask(DataConfig(ops=["-"], eval_size=100), seed=0).eval_prompts(100)) == 100
+
+
+def test_word_list_is_packaged_and_clean():
+    words = load_words()
+    assert len(words) >= 2000
+    assert all(w.isascii() and w.isalpha() and w.islower() for w in words)
+    assert "children" in words
+
+
+def test_letters_answers_match_the_word():
+    source = build_prompt_source(DataConfig(task="letters"), seed=0)
+    prompts = [source.train_prompt(i) for i in range(500)]
+    kinds = {p.info["kind"] for p in prompts}
+    assert kinds == {"count", "length"}
+    for prompt in prompts:
+        word, text = prompt.info["word"], prompt.messages[0]["content"]
+        assert f"'{word}'" in text
+        if prompt.info["kind"] == "count":
+            assert f"'{prompt.info['letter']}'" in text
+            assert prompt.answer == str(word.count(prompt.info["letter"]))
+        else:
+            assert prompt.answer == str(len(word))
+    assert any(p.answer == "0" for p in prompts) and any(int(p.answer) >= 2 for p in prompts)
+    assert source.default_reward == "letters"
+
+
+def test_plugin_task_by_dotted_path(monkeypatch):
+    plugin = types.ModuleType("fake_task_plugin")
+    plugin.make = lambda cfg, seed: ArithTask(cfg, seed)
+    plugin.broken = lambda cfg, seed: object()
+    monkeypatch.setitem(sys.modules, "fake_task_plugin", plugin)
+    source = build_prompt_source(DataConfig(task="fake_task_plugin:make"), seed=0)
+    assert source.train_prompt(0).messages == build_prompt_source(DataConfig(), 0).train_prompt(0).messages
+    with pytest.raises(TypeError, match="must return a PromptSource"):
+        build_prompt_source(DataConfig(task="fake_task_plugin:broken"), seed=0)
+
+
+def test_unknown_task_lists_registered():
+    with pytest.raises(KeyError, match="arith, letters"):
+        build_prompt_source(DataConfig(task="nope"), seed=0)
+
+
+def test_negative_position_rejected(arith0):
+    with pytest.raises(ValueError, match="position"):
+        arith0.train_prompt(-1)

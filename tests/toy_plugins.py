@@ -1,0 +1,62 @@
+"""Plugin rewards for tests, loaded by dotted path (`reward.fn = "toy_plugins:digit_fraction"`).
+
+`tests/` is put on `sys.path` by conftest.py (and on PYTHONPATH for CLI subprocesses).
+
+- `digit_fraction`: dense, continuous reward a randomly initialised tiny model can climb with GRPO: the
+  fraction of the response's tokens that decode to digits only. Groups almost always have variance.
+- `slow_digit_fraction`: `digit_fraction` after sleeping `$ROLLWISE_TEST_REWARD_SLEEP` seconds (0 when unset),
+  to slow a CLI run down enough to kill it mid-run.
+- `flaky_digit_fraction`: the same, but raises on every response whose first token id is even, so about
+  half the samples fail; the loop must count them (`reward/errors`) and leave them out of the statistics.
+- `flaky_always_right`: 1.0 (correct) on every response it scores, raising on the same ones as above.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rollwise.types import RewardResult, Sample
+
+
+def digit_fraction(sample: Sample) -> RewardResult:
+    """Digit characters in the response text per response token (EOS included), capped at 1.
+
+    A response made only of single-digit tokens scores 1; one with no digit scores 0; empty responses 0."""
+    n_tokens = len(sample.response_ids)
+    if n_tokens == 0:
+        return RewardResult(value=0.0, parts={"digits": 0.0})
+    digits = sum(ch.isdigit() for ch in sample.response_text)
+    value = min(1.0, digits / n_tokens)
+    return RewardResult(value=value, parts={"digits": float(digits)})
+
+
+class FlakyRewardError(RuntimeError):
+    """Raised on purpose by `flaky_digit_fraction`."""
+
+
+def flaky_digit_fraction(sample: Sample) -> RewardResult:
+    """`digit_fraction`, but raises for responses whose first token id is even (and for empty ones)."""
+    if not sample.response_ids or sample.response_ids[0] % 2 == 0:
+        raise FlakyRewardError(f"refusing to score a response starting with token {sample.response_ids[:1]}")
+    return digit_fraction(sample)
+
+
+def is_flaky_failure(response_ids: list[int]) -> bool:
+    """True when `flaky_digit_fraction` raises for a response with these ids."""
+    return not response_ids or response_ids[0] % 2 == 0
+
+
+def slow_digit_fraction(sample: Sample) -> RewardResult:
+    """`digit_fraction` after sleeping `$ROLLWISE_TEST_REWARD_SLEEP` seconds (no sleep when unset)."""
+    delay = float(os.environ.get("ROLLWISE_TEST_REWARD_SLEEP", "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+    return digit_fraction(sample)
+
+
+def flaky_always_right(sample: Sample) -> RewardResult:
+    """Correct (1.0) on every response it scores; raises where `flaky_digit_fraction` does."""
+    if is_flaky_failure(sample.response_ids):
+        raise FlakyRewardError(f"refusing to score a response starting with token {sample.response_ids[:1]}")
+    return RewardResult(value=1.0, parts={"correct": 1.0})
