@@ -12,6 +12,17 @@ import typer
 
 from rollwise.config import ConfigError, load_config, to_toml
 
+def _quiet_libraries() -> None:
+    """Keep the console for rollwise's own progress: no per-file progress bars from transformers."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training of language models, CPU first.")
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.toml"
@@ -57,10 +68,11 @@ def train(
         typer.echo(to_toml(cfg))
         return
     if run_dir is None:
-        name = cfg.run.name or time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(cfg.run.root) / name
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(cfg.run.root) / (f"{cfg.run.name}-{stamp}" if cfg.run.name else stamp)
     if resume is None and any((run_dir / f).exists() for f in ("checkpoints", "metrics.jsonl", "config.toml")):
         _fail(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
+    _quiet_libraries()
     from rollwise.loop import train as run_training
     from rollwise.models import ModelNotFoundError
 
@@ -80,6 +92,7 @@ def eval_cmd(
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),
 ) -> None:
     """Accuracy on a task's held-out split: prints one JSON object."""
+    _quiet_libraries()
     from rollwise.evaluate_cli import run_eval_command
     from rollwise.models import ModelNotFoundError
 

@@ -148,7 +148,12 @@ def log_samples(run: Run, groups: list[Group]) -> None:
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     """Run (or resume) training to `train.steps`; returns the summary printed at the end."""
     run = open_run(cfg, run_dir, resume)
-    first_eval = run_eval(run) if run.step == 0 and cfg.eval.n > 0 else None
+    print(f"rollwise: run {run_dir} | model {cfg.model.name} | task {cfg.data.path or cfg.data.task} | "
+          f"step {run.step}/{cfg.train.steps}", flush=True)
+    first_eval = None
+    if run.step == 0 and cfg.eval.n > 0:
+        print(f"rollwise: evaluating the starting model on {len(run.eval_prompts)} held-out prompts", flush=True)
+        first_eval = run_eval(run)
     with ConsoleView(cfg.train.steps, enabled=cfg.run.console, start_step=run.step) as view:
         if first_eval:
             view.eval(first_eval)

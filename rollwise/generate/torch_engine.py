@@ -71,12 +71,18 @@ class TorchEngine:
         if any(r.params != params for r in batch):
             return [res for r in batch for res in self._generate_batch([r])]
         generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        contexts = [r.prompt_ids + r.response_ids for r in batch]
-        input_ids, attn = _left_pad(contexts, self.pad_id)  # [B, L]
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        contexts = [tuple(r.prompt_ids + r.response_ids) for r in batch]
+        unique = list(dict.fromkeys(contexts))  # samples of one prompt share its prefill
+        input_ids, attn = _left_pad([list(c) for c in unique], self.pad_id)  # [U, L]
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [U, L]
         cache = DynamicCache()
-        logits = self._forward(input_ids, attn, positions, cache)  # [B, V]
+        logits = self._forward(input_ids, attn, positions, cache)  # [U, V]
         self.stats["computed_tokens"] += input_ids.numel()
+        if len(unique) < len(batch):  # copy each prompt's KV cache to its samples' rows
+            row_of = {c: i for i, c in enumerate(unique)}
+            expand = torch.tensor([row_of[c] for c in contexts])  # [B]
+            cache.batch_select_indices(expand)
+            logits, attn, positions = logits[expand], attn[expand], positions[expand]
 
         out_ids = [list(r.response_ids) for r in batch]
         out_lp = [list(r.response_logprobs) for r in batch]

@@ -14,19 +14,15 @@ from rollwise.train.batching import MicroBatch
 
 
 def response_hidden(model, mb: MicroBatch) -> torch.Tensor:
-    """Final hidden states at the positions that predict response tokens.
+    """Final hidden states at the positions that predict the valid response tokens.
 
-    Returns [B, T, H]: row b, column t is the state at position resp_start[b] + t - 1.
+    Returns [n, H] for the n valid tokens of `mb.valid` [S, T], in row-major order.
     """
-    decoder = model.get_decoder()
-    positions = (mb.attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    hidden = decoder(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=positions, use_cache=False
-    ).last_hidden_state  # [B, L, H]
-    T = mb.targets.shape[1]
-    idx = mb.resp_start[:, None] - 1 + torch.arange(T)[None, :]  # [B, T]
-    idx = idx.clamp(max=hidden.shape[1] - 1)
-    return hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, T, H]
+    hidden = model.get_decoder()(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+    ).last_hidden_state  # [R, L, H]
+    R, L, H = hidden.shape
+    return hidden.reshape(R * L, H).index_select(0, mb.pred_index[mb.valid])  # [n, H]
 
 
 def _chunk_logp_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
@@ -43,14 +39,11 @@ def token_logprobs(
     """Log-probabilities and entropies of the response tokens under `model`.
 
     Logits are divided by `temperature` (the rollout temperature) so that the trainer's
-    distribution matches the one the engine sampled from. Returns (logp [B, T], entropy [B, T]);
+    distribution matches the one the engine sampled from. Returns (logp [S, T], entropy [S, T]);
     values at padded positions are 0.
     """
-    hidden = response_hidden(model, mb)  # [B, T, H]
-    B, T, H = hidden.shape
-    valid = mb.loss_mask.bool() | (torch.arange(T)[None, :] < (mb.attention_mask.sum(-1) - mb.resp_start)[:, None])
-    flat_h = hidden[valid]  # [n, H]
-    flat_t = mb.targets[valid]  # [n]
+    flat_h = response_hidden(model, mb)  # [n, H]
+    flat_t = mb.targets[mb.valid]  # [n]
     weight = model.get_output_embeddings().weight  # [V, H]
     logps, ents = [], []
     for start in range(0, flat_h.shape[0], chunk_tokens):
@@ -61,6 +54,7 @@ def token_logprobs(
             lp, ent = _chunk_logp_entropy(h, weight, t, temperature)
         logps.append(lp)
         ents.append(ent)
-    logp = torch.zeros(B, T, dtype=torch.float32).masked_scatter(valid, torch.cat(logps))
-    entropy = torch.zeros(B, T, dtype=torch.float32).masked_scatter(valid, torch.cat(ents))
+    S, T = mb.targets.shape
+    logp = torch.zeros(S, T, dtype=torch.float32).masked_scatter(mb.valid, torch.cat(logps))
+    entropy = torch.zeros(S, T, dtype=torch.float32).masked_scatter(mb.valid, torch.cat(ents))
     return logp, entropy

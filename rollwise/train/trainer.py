@@ -71,7 +71,9 @@ class Trainer:
         return nullcontext()
 
     def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        return [collate(g, self.pad_id) for g in split_by_tokens(samples, self.cfg.micro_batch_tokens)]
+        share = self.cfg.share_prompt
+        groups = split_by_tokens(samples, self.cfg.micro_batch_tokens, share_prompt=share)
+        return [collate(g, self.pad_id, share_prompt=share) for g in groups]
 
     @torch.no_grad()
     def _frozen_logprobs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
