@@ -20,7 +20,9 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     name: str = Field(EMBEDDED_MODEL, description="embedded model name or a local HF model directory")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="rollout engine dtype; auto = bfloat16 where the CPU has native bf16"
+    )
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = physical cores")
 
 

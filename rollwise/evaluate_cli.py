@@ -14,7 +14,7 @@ from rollwise.generate import TorchEngine
 from rollwise.hardware import configure_threads
 from rollwise.models import load_model
 from rollwise.rewards import build_reward_fn
-from rollwise.session import DTYPES, encode_eval_prompts
+from rollwise.session import encode_eval_prompts, engine_dtype
 from rollwise.train.checkpoint import latest_checkpoint
 
 
@@ -41,7 +41,7 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
     configure_threads(cfg.model.threads)
     start = time.perf_counter()
     policy, tokenizer = load_model(target, dtype=torch.float32)
-    engine = TorchEngine(policy, tokenizer, dtype=DTYPES[cfg.model.dtype], max_batch_size=cfg.rollout.max_batch_size)
+    engine = TorchEngine(policy, tokenizer, dtype=engine_dtype(cfg.model.dtype), max_batch_size=cfg.rollout.max_batch_size)
     source = build_prompt_source(cfg.data, cfg.train.seed)
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
     prompts = encode_eval_prompts(source, encoder, n)

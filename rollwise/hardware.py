@@ -28,6 +28,13 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def bf16_is_native(device_type: str = "cpu") -> bool:
+    """bf16 runs natively: on CUDA, or on a CPU with bf16 dot-product instructions."""
+    if device_type == "cuda":
+        return True
+    return device_type == "cpu" and cpu_has_native_bf16()
+
+
 def configure_threads(threads: int = 0) -> int:
     """Set torch's intra-op threads (0 = physical cores); returns the number set."""
     import torch

@@ -19,6 +19,7 @@ from rollwise.config import Config
 from rollwise.evaluate import evaluate
 from rollwise.filter import filter_groups
 from rollwise.metrics import ConsoleView, print_summary, write_report
+from rollwise.perf import step_perf
 from rollwise.rewards import score_samples
 from rollwise.rollout import generate_groups, sampling_params
 from rollwise.session import Run, open_run, save_run
@@ -65,6 +66,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
     """One RL step. Returns its metrics row and the groups it generated."""
     cfg, timer = run.cfg, StageTimer()
     step_start = time.perf_counter()
+    run.engine.stats.reset()
     with timer("rollout"):  # Generate
         prompts = run.next_prompts(cfg.rollout.prompts_per_step)
         groups = generate_groups(run.engine, prompts, cfg.rollout.samples_per_prompt,
@@ -76,6 +78,8 @@ def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
         filters = ["all_failed"] + (["zero_variance"] if cfg.algo.filter_zero_variance else [])
         kept, filter_metrics = filter_groups(groups, filters)
         samples = assign_advantages(kept, cfg)
+        for s in samples:
+            s.info["trained"] = True
     train_metrics: dict[str, float] = {}
     with timer("train"):  # Train
         if samples:
@@ -89,6 +93,8 @@ def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
            **train_metrics}
     row.update(rollout_metrics(all_samples, timer.seconds["rollout"]))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
+    row.update(step_perf(run.flops, run.peak_gflops, run.engine.stats, all_samples, timer.seconds,
+                         train_passes=cfg.train.ppo_epochs, reference=cfg.algo.kl_coef > 0))
     row.update(run.encoder.metrics())
     row["perf/elapsed_s"] = time.time() - run.started_at
     run.totals["tokens_generated"] += row["rollout/tokens"]

@@ -20,15 +20,23 @@ import torch
 from rollwise.config import Config, to_toml
 from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
 from rollwise.generate import TorchEngine
-from rollwise.hardware import configure_threads
+from rollwise.hardware import bf16_is_native, configure_threads
 from rollwise.metrics import MetricsWriter, truncate_after
-from rollwise.models import load_model
+from rollwise.models import load_model, model_info
+from rollwise.perf import FlopCounter, matmul_peak_gflops
 from rollwise.rewards import build_reward_fn
 from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from rollwise.train.trainer import Trainer
 from rollwise.types import Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_dtype(name: str) -> torch.dtype:
+    """`model.dtype`: `auto` is bf16 on CUDA or on a CPU with native bf16 instructions, else fp32."""
+    if name == "auto":
+        return torch.bfloat16 if bf16_is_native("cuda" if torch.cuda.is_available() else "cpu") else torch.float32
+    return DTYPES[name]
 
 
 @dataclass
@@ -50,6 +58,8 @@ class Run:
     totals: dict[str, float] = field(default_factory=lambda: {"tokens_generated": 0.0, "tokens_trained": 0.0})
     started_at: float = field(default_factory=time.time)
     eval_prompts: list[tuple[Prompt, list[int]]] = field(default_factory=list)
+    flops: FlopCounter | None = None
+    peak_gflops: float = 1.0
 
     def next_prompts(self, n: int) -> list[tuple[Prompt, list[int]]]:
         """The next `n` training prompts that fit `max_prompt_tokens` (longer ones are skipped and counted)."""
@@ -90,7 +100,7 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
         ref_model, _ = load_model(cfg.model.name, dtype=torch.float32)
         ref_model.eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = TorchEngine(model, tokenizer, dtype=DTYPES[cfg.model.dtype],
+    engine = TorchEngine(model, tokenizer, dtype=engine_dtype(cfg.model.dtype),
                          max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
     trainer = Trainer(model, cfg.train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature)
     source = build_prompt_source(cfg.data, cfg.train.seed)
@@ -103,6 +113,8 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
         truncate_after(run_dir, state["step"])
     run = Run(cfg, run_dir, model, tokenizer, engine, trainer, source, encoder, reward_fn, MetricsWriter(run_dir))
     run.eval_prompts = encode_eval_prompts(source, encoder, cfg.eval.n)
+    run.flops = FlopCounter(model_info(model))
+    run.peak_gflops = matmul_peak_gflops(torch.float32)  # measured once per machine, then cached
     if state is not None:
         restore_state(run, state)
     return run

@@ -39,7 +39,7 @@ class Prompt:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling options. `temperature == 0` means greedy."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import sys
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 # The installed console script (the venv's, next to this interpreter, when not on PATH).
 ROLLWISE = shutil.which("rollwise") or str(Path(sys.executable).with_name("rollwise"))
+# tests never write into the user's cache (the measured matmul peak, model caches)
+os.environ["ROLLWISE_CACHE"] = tempfile.mkdtemp(prefix="rollwise-test-cache-")
 if str(TESTS_DIR) not in sys.path:  # dotted-path plugins ('toy_plugins:fn') must be importable
     sys.path.insert(0, str(TESTS_DIR))
 

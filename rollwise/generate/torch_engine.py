@@ -1,20 +1,60 @@
-"""In-process PyTorch rollout engine: batched sampling with a KV cache (CPU or one GPU).
+"""In-process PyTorch rollout engine with continuous batching (CPU or one GPU).
 
-The engine keeps its own copy of the weights (so the trainer can run in another precision and
-weights are synchronised explicitly, as with any remote engine). Finished rows leave the batch, so
-no compute is spent on them after they stop.
+- A fixed number of slots share a preallocated KV cache (`SlotCache`); when a sequence finishes, its slot
+  takes the next waiting request, so no compute is spent on finished rows.
+- Requests with the same context share one prefill: the prompt is encoded once and its KV copied to
+  every slot that samples from it (the G samples of a GRPO group).
+- Sampling runs on fp32 logits and returns the behaviour log-probability of each token.
+- A request can be aborted between tokens and continued later from its tokens (`response_ids`).
+
+The engine keeps its own copy of the weights (possibly in another dtype than the trainer's), updated
+through `update_weights`, as a remote engine would be.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from rollwise.generate.sampling import sample_tokens
+from rollwise.generate.slot_cache import SlotCache
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
+
+
+@dataclass
+class _Sequence:
+    """A request being generated: its tokens so far and where it stands."""
+
+    req: GenerationRequest
+    ids: list[int]
+    logprobs: list[float]
+    start_len: int
+    status: Status | None = None
+    pending: int = -1  # sampled token not yet written to the cache
+
+
+@dataclass
+class EngineStats:
+    """Counters since the last `reset`: tokens sampled, and tokens the model computed (incl. padding)."""
+
+    generated_tokens: int = 0
+    prefill_tokens: int = 0  # real context tokens prefilled
+    computed_tokens: int = 0
+    decode_steps: int = 0
+    active_slot_steps: int = 0
+
+    def reset(self) -> None:
+        self.__init__()
+
+    @property
+    def padding_eff(self) -> float:
+        """Real tokens (prefilled context + generated) / tokens computed (with padding and idle slots)."""
+        return (self.prefill_tokens + self.generated_tokens) / max(1, self.computed_tokens)
 
 
 class TorchEngine:
@@ -24,24 +64,31 @@ class TorchEngine:
         model: the policy (copied; the engine owns its copy).
         tokenizer: used for EOS ids, stop strings and response text.
         dtype: dtype the engine computes in (float32 or bfloat16).
-        max_batch_size: sequences decoded together.
+        max_batch_size: number of slots (sequences decoded together).
         seed: seed of the sampling generator (its state is saved with checkpoints).
+        prefill_tokens: token budget of one prefill forward.
     """
 
-    def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64, seed: int = 0):
+    def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
+                 seed: int = 0, prefill_tokens: int = 4096):
         self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.max_batch_size = max_batch_size
+        self.prefill_tokens = prefill_tokens
         self.version = 0
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.stats = EngineStats()
         self._aborted: set[int] = set()
         self._lock = threading.Lock()
-        self.stats = {"tokens": 0, "computed_tokens": 0, "forward_calls": 0}
+        cfg = self.model.config
+        self._layers = cfg.num_hidden_layers
+        self._kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
-    # -- protocol -----------------------------------------------------------------------------
+    # -- protocol -----------------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         own = self.model.state_dict()
         with torch.no_grad():
@@ -55,110 +102,146 @@ class TorchEngine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         results: dict[int, GenerationResult] = {}
-        # similar lengths together keeps left padding small
-        order = sorted(requests, key=lambda r: len(r.prompt_ids) + len(r.response_ids))
-        for start in range(0, len(order), self.max_batch_size):
-            for res in self._generate_batch(order[start : start + self.max_batch_size]):
-                results[res.request_id] = res
+        by_params: dict[SamplingParams, list[GenerationRequest]] = {}
+        for r in requests:
+            by_params.setdefault(r.params, []).append(r)
+        for params, reqs in by_params.items():
+            self._run(reqs, params, results)
         with self._lock:
             self._aborted.difference_update(results)
         return [results[r.request_id] for r in requests]
 
-    # -- internals ----------------------------------------------------------------------------
+    # -- the decode loop ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _generate_batch(self, batch: list[GenerationRequest]) -> list[GenerationResult]:
-        params = batch[0].params
-        if any(r.params != params for r in batch):
-            return [res for r in batch for res in self._generate_batch([r])]
+    def _run(self, reqs: list[GenerationRequest], params: SamplingParams, results: dict) -> None:
         generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        contexts = [tuple(r.prompt_ids + r.response_ids) for r in batch]
-        unique = list(dict.fromkeys(contexts))  # samples of one prompt share its prefill
-        input_ids, attn = _left_pad([list(c) for c in unique], self.pad_id)  # [U, L]
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # [U, L]
-        cache = DynamicCache()
-        logits = self._forward(input_ids, attn, positions, cache)  # [U, V]
-        self.stats["computed_tokens"] += input_ids.numel()
-        if len(unique) < len(batch):  # copy each prompt's KV cache to its samples' rows
-            row_of = {c: i for i, c in enumerate(unique)}
-            expand = torch.tensor([row_of[c] for c in contexts])  # [B]
-            cache.batch_select_indices(expand)
-            logits, attn, positions = logits[expand], attn[expand], positions[expand]
+        capacity = max(len(r.prompt_ids) + max(len(r.response_ids), params.max_new_tokens) for r in reqs) + 1
+        cache = SlotCache(self._layers, min(self.max_batch_size, len(reqs)), self._kv_heads, capacity,
+                          self._head_dim, self.dtype)
+        waiting = deque(reqs)
+        slots: list[_Sequence | None] = [None] * cache.slots
+        while waiting or any(slots):
+            free = [i for i, s in enumerate(slots) if s is None]
+            if free and waiting:
+                admitted = [_Sequence(waiting.popleft(), [], [], 0) for _ in range(min(len(free), len(waiting)))]
+                self._admit(cache, slots, free, admitted, params, generator, results)
+            active = [i for i, s in enumerate(slots) if s is not None]
+            if not active:
+                continue
+            if not waiting and len(active) <= cache.slots // 2:  # long tail: stop computing empty slots
+                cache.keep(torch.tensor(active))
+                slots = [slots[i] for i in active]
+                active = list(range(len(slots)))
+            self._decode_step(cache, slots, active, params, generator, results)
 
-        out_ids = [list(r.response_ids) for r in batch]
-        out_lp = [list(r.response_logprobs) for r in batch]
-        start_len = [len(r.response_ids) for r in batch]
-        status: list[Status | None] = [None] * len(batch)
-        active = torch.arange(len(batch))  # rows of `batch` still in the cache, in cache order
-        next_pos = positions[:, -1] + 1  # [B]
-        budget = [params.max_new_tokens - len(r.response_ids) for r in batch]
-        for i, b in enumerate(budget):
-            if b <= 0:
-                status[i] = Status.TRUNCATED
-        while True:
-            live = [i for i in active.tolist() if status[i] is None]
-            if not live:
-                break
-            keep = torch.tensor([status[i] is None for i in active.tolist()])
-            if not bool(keep.all()):
-                idx = keep.nonzero().squeeze(-1)
-                cache.batch_select_indices(idx)
-                logits, attn, next_pos, active = logits[idx], attn[idx], next_pos[idx], active[idx]
-            tokens, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, generator)
-            for row, i in enumerate(active.tolist()):
-                self._append(i, int(tokens[row]), float(logprobs[row]), out_ids, out_lp, status, batch, start_len)
-            if all(status[i] is not None for i in active.tolist()):
-                break
-            attn = torch.cat([attn, torch.ones(len(active), 1, dtype=attn.dtype)], dim=-1)
-            logits = self._forward(tokens[:, None], attn, next_pos[:, None], cache)
-            self.stats["computed_tokens"] += len(active)
-            next_pos = next_pos + 1
-        return [self._result(r, out_ids[i], out_lp[i], status[i], start_len[i]) for i, r in enumerate(batch)]
+    def _admit(self, cache, slots, free, admitted, params, generator, results) -> None:
+        """Prefill the admitted requests (one forward per distinct context), sample their first token."""
+        for seq in admitted:
+            seq.ids, seq.logprobs = list(seq.req.response_ids), list(seq.req.response_logprobs)
+            seq.start_len = len(seq.ids)
+            if seq.start_len >= params.max_new_tokens:
+                seq.status = Status.TRUNCATED
+        todo = [s for s in admitted if s.status is None]
+        for s in admitted:
+            if s.status is not None:
+                results[s.req.request_id] = self._result(s)
+        contexts = [tuple(s.req.prompt_ids + s.req.response_ids) for s in todo]
+        unique = list(dict.fromkeys(contexts))
+        row_of = {c: i for i, c in enumerate(unique)}
+        logits, layer_kv, lengths = self._prefill([list(c) for c in unique])  # [U, V]
+        rows = torch.tensor([row_of[c] for c in contexts], dtype=torch.long)  # [A]
+        slot_ids = torch.tensor(free[: len(todo)], dtype=torch.long)
+        cache.load_prefill(slot_ids, layer_kv, rows, lengths[rows])
+        tokens, logprobs = sample_tokens(logits[rows], params.temperature, params.top_k, params.top_p, generator)
+        for seq, slot, tok, lp in zip(todo, slot_ids.tolist(), tokens.tolist(), logprobs.tolist()):
+            slots[slot] = seq
+            self._append(seq, tok, lp)
+            if seq.status is not None:
+                results[seq.req.request_id] = self._result(seq)
+                slots[slot] = None
+                cache.lengths[slot] = 0
 
-    def _forward(self, input_ids, attn, positions, cache) -> torch.Tensor:
-        self.stats["forward_calls"] += 1
-        out = self.model(
-            input_ids=input_ids, attention_mask=attn, position_ids=positions,
-            cache=cache, use_cache=True, logits_to_keep=1,
-        )
-        return out.logits[:, -1, :].float()  # [B, V]
+    def _prefill(self, contexts: list[list[int]]):
+        """Right-padded forward over distinct contexts, in chunks of `prefill_tokens`.
 
-    def _append(self, i, token, logprob, out_ids, out_lp, status, batch, start_len) -> None:
-        req = batch[i]
-        out_ids[i].append(token)
-        out_lp[i].append(logprob)
-        self.stats["tokens"] += 1
+        Returns (last-token logits [U, V] fp32, per-layer (keys, values) [U, kv_heads, L, head_dim], lengths [U]).
+        """
+        width = max(len(c) for c in contexts)
+        per_chunk = max(1, self.prefill_tokens // width)
+        logits, keys, values = [], [[] for _ in range(self._layers)], [[] for _ in range(self._layers)]
+        for start in range(0, len(contexts), per_chunk):
+            chunk = contexts[start : start + per_chunk]
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, c in enumerate(chunk):
+                ids[row, : len(c)] = torch.tensor(c)
+                attn[row, : len(c)] = 1
+            dyn = DynamicCache()
+            hidden = self.model.get_decoder()(input_ids=ids, attention_mask=attn, cache=dyn, use_cache=True,
+                                              position_ids=torch.arange(width).expand(len(chunk), -1)).last_hidden_state
+            last = hidden[torch.arange(len(chunk)), attn.sum(-1) - 1]  # [u, H]
+            logits.append(self.model.get_output_embeddings()(last).float())
+            for layer in range(self._layers):
+                keys[layer].append(dyn.layers[layer].keys)
+                values[layer].append(dyn.layers[layer].values)
+            self.stats.computed_tokens += ids.numel()
+            self.stats.prefill_tokens += int(attn.sum())
+        layer_kv = [(torch.cat(keys[i]), torch.cat(values[i])) for i in range(self._layers)]
+        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)
+        return torch.cat(logits), layer_kv, lengths
+
+    def _decode_step(self, cache, slots, active, params, generator, results) -> None:
+        pending = torch.full((cache.slots,), self.pad_id, dtype=torch.long)
+        is_active = torch.zeros(cache.slots, dtype=torch.bool)
+        for i in active:
+            pending[i] = slots[i].pending
+            is_active[i] = True
+        positions, mask = cache.begin_step()
+        out = self.model(input_ids=pending[:, None], attention_mask=mask, position_ids=positions,
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        cache.end_step(is_active)
+        self.stats.computed_tokens += cache.slots
+        self.stats.decode_steps += 1
+        self.stats.active_slot_steps += len(active)
+        idx = torch.tensor(active)
+        tokens, logprobs = sample_tokens(out.logits[idx, -1].float(), params.temperature, params.top_k,
+                                         params.top_p, generator)
+        for i, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
+            seq = slots[i]
+            self._append(seq, tok, lp)
+            if seq.status is not None:
+                results[seq.req.request_id] = self._result(seq)
+                slots[i] = None
+                cache.lengths[i] = 0
+
+    def _append(self, seq: _Sequence, token: int, logprob: float) -> None:
+        """Record a sampled token and decide whether the sequence stops here."""
+        seq.ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.pending = token
+        self.stats.generated_tokens += 1
+        params = seq.req.params
         if token in self.eos_ids:
-            status[i] = Status.COMPLETED
-        elif req.params.stop and self._hit_stop(out_ids[i], req.params):
-            status[i] = Status.COMPLETED
-        elif len(out_ids[i]) >= req.params.max_new_tokens:
-            status[i] = Status.TRUNCATED
-        elif req.request_id in self._aborted:
-            status[i] = Status.ABORTED
+            seq.status = Status.COMPLETED
+        elif params.stop and self._hit_stop(seq.ids, params):
+            seq.status = Status.COMPLETED
+        elif len(seq.ids) >= params.max_new_tokens:
+            seq.status = Status.TRUNCATED
+        elif seq.req.request_id in self._aborted:
+            seq.status = Status.ABORTED
 
     def _hit_stop(self, ids: list[int], params: SamplingParams) -> bool:
         longest = max(len(s) for s in params.stop)
         tail = self.tokenizer.decode(ids[-(longest + 8) :], skip_special_tokens=False)
         return any(s in tail for s in params.stop)
 
-    def _result(self, req, ids, lps, status, start_len) -> GenerationResult:
+    def _result(self, seq: _Sequence) -> GenerationResult:
         # spans of this call only; the caller keeps the spans of tokens generated earlier
-        spans = [(start_len, len(ids), self.version)] if len(ids) > start_len else []
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if status == Status.COMPLETED and req.params.stop:
-            text = _cut_at_stop(text, req.params.stop)
-        return GenerationResult(req.request_id, ids, lps, status, spans, text)
-
-
-def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists. Returns (ids [B, L] long, attention mask [B, L] long)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, s in enumerate(seqs):
-        ids[row, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[row, width - len(s) :] = 1
-    return ids, mask
+        spans = [(seq.start_len, len(seq.ids), self.version)] if len(seq.ids) > seq.start_len else []
+        text = self.tokenizer.decode(seq.ids, skip_special_tokens=True)
+        if seq.status == Status.COMPLETED and seq.req.params.stop:
+            text = _cut_at_stop(text, seq.req.params.stop)
+        return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -15,7 +15,7 @@ import torch
 
 from rollwise import algo
 from rollwise.config import AlgoConfig, TrainConfig
-from rollwise.hardware import cpu_has_native_bf16
+from rollwise.hardware import bf16_is_native
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
 from rollwise.train.logprobs import token_logprobs
 from rollwise.types import Sample
@@ -24,7 +24,7 @@ from rollwise.types import Sample
 def use_bf16(precision: str, device_type: str) -> bool:
     """Resolve `train.precision`: `auto` means bf16 on CUDA or on a CPU with native bf16 instructions."""
     if precision == "auto":
-        return device_type == "cuda" or (device_type == "cpu" and cpu_has_native_bf16())
+        return bf16_is_native(device_type)
     return precision == "bf16"
 
 
@@ -57,8 +57,9 @@ class Trainer:
         self.device_type = next(model.parameters()).device.type
         self.bf16 = use_bf16(train_cfg.precision, self.device_type)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay, eps=1e-8
+        self.optimizer = torch.optim.AdamW(  # fused: one kernel per step instead of one per op and tensor
+            params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay, eps=1e-8,
+            fused=self.device_type in ("cpu", "cuda"),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train_cfg))
         algo.POLICY_LOSSES.get(algo_cfg.loss)  # fail early on unknown names

@@ -1,0 +1,75 @@
+"""A preallocated KV cache with a fixed number of slots, one sequence per slot.
+
+Each slot keeps its own length; a decode step writes one column per slot at that slot's length, and
+attention reads all columns under a per-slot mask. A finished sequence frees its slot for the next
+waiting request (continuous batching), so the batch stays full through the long tail.
+
+The object follows the `update(key, value, layer_idx, **kwargs)` contract that Hugging Face attention
+layers call; the 4-D mask handed to the model makes the library skip its own mask building.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotCache:
+    """KV tensors `[slots, kv_heads, capacity, head_dim]` per layer, plus per-slot lengths `[slots]`."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.lengths = torch.zeros(slots, dtype=torch.long)  # valid columns per slot
+        self._write_cols: torch.Tensor | None = None
+        self._width = capacity
+
+    @property
+    def slots(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    # -- called by the model's attention layers ------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Write one new column per slot (key/value [slots, kv_heads, 1, head_dim]); return the cache
+        up to the longest slot, [slots, kv_heads, width, head_dim]."""
+        cols = self._write_cols  # [slots]
+        rows = torch.arange(self.slots)
+        self.keys[layer_idx][rows, :, cols] = key_states[:, :, 0].to(self.keys[layer_idx].dtype)
+        self.values[layer_idx][rows, :, cols] = value_states[:, :, 0].to(self.values[layer_idx].dtype)
+        width = self._width  # attend only up to the longest slot, not the whole capacity
+        return self.keys[layer_idx][:, :, :width], self.values[layer_idx][:, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lengths.max())
+
+    # -- used by the engine -------------------------------------------------------------------------
+    def begin_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before a decode step: returns (positions [slots, 1], attention mask [slots, 1, 1, capacity] bool)."""
+        self._write_cols = self.lengths.clamp(max=self.capacity - 1)
+        self._width = int(self._write_cols.max()) + 1
+        cols = torch.arange(self._width)[None, :]  # [1, W]
+        mask = cols <= self._write_cols[:, None]  # [slots, W]: own columns plus the one being written
+        return self._write_cols[:, None], mask[:, None, None, :]
+
+    def end_step(self, active: torch.Tensor) -> None:
+        """After a decode step: the written column becomes part of each active slot."""
+        self.lengths += active.long()
+
+    def load_prefill(self, slot_ids: torch.Tensor, layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                     rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Copy prefilled KV (right-padded, per layer [U, kv_heads, L, head_dim]) rows `rows` into `slot_ids`."""
+        width = layer_kv[0][0].shape[2]
+        for layer, (k, v) in enumerate(layer_kv):
+            self.keys[layer][slot_ids, :, :width] = k[rows].to(self.keys[layer].dtype)
+            self.values[layer][slot_ids, :, :width] = v[rows].to(self.values[layer].dtype)
+        self.lengths[slot_ids] = lengths
+
+    def keep(self, slot_ids: torch.Tensor) -> None:
+        """Shrink to the given slots (in that order): used when the tail of a batch runs few sequences."""
+        self.keys = [k[slot_ids].contiguous() for k in self.keys]
+        self.values = [v[slot_ids].contiguous() for v in self.values]
+        self.lengths = self.lengths[slot_ids].clone()
