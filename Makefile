@@ -25,5 +25,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+bench: setup
+	$(PIP) install -q -e '.[bench]'
+	$(PY) benchmarks/rollout.py
+	$(PY) benchmarks/vs_trl.py
+
 clean:
 	rm -rf $(VENV) runs
