@@ -78,8 +78,6 @@ def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
         filters = ["all_failed"] + (["zero_variance"] if cfg.algo.filter_zero_variance else [])
         kept, filter_metrics = filter_groups(groups, filters)
         samples = assign_advantages(kept, cfg)
-        for s in samples:
-            s.info["trained"] = True
     train_metrics: dict[str, float] = {}
     with timer("train"):  # Train
         if samples:
@@ -93,7 +91,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
            **train_metrics}
     row.update(rollout_metrics(all_samples, timer.seconds["rollout"]))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
-    row.update(step_perf(run.flops, run.peak_gflops, run.engine.stats, all_samples, timer.seconds,
+    row.update(step_perf(run.flops, run.peak_gflops, run.engine.stats, all_samples, samples, timer.seconds,
                          train_passes=cfg.train.ppo_epochs, reference=cfg.algo.kl_coef > 0))
     row.update(run.encoder.metrics())
     row["perf/elapsed_s"] = time.time() - run.started_at
@@ -184,7 +182,7 @@ def finish(run: Run, first_eval: dict | None, last_eval: dict | None) -> dict:
         write_report(run.run_dir)
     history = summarize(run.run_dir)
     summary = {
-        "eval_before": first_eval or history.get("first_eval") or {},
+        "eval_before": first_eval or history.get("eval_before") or {},
         "eval_after": last_eval or {},
         "wall_s": time.time() - run.started_at,
         "tokens_generated": run.totals["tokens_generated"],

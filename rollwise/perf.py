@@ -89,16 +89,15 @@ class FlopCounter:
         return 3 * passes * self.forward(tokens, mean_context / 2, response_tokens)
 
 
-def step_perf(counter: FlopCounter, peak_gflops: float, engine_stats, samples, seconds: dict[str, float],
+def step_perf(counter: FlopCounter, peak_gflops: float, engine_stats, samples, trained, seconds: dict[str, float],
               train_passes: float, reference: bool) -> dict[str, float]:
     """MFU of one RL step against the measured fp32 matmul peak.
 
-    samples: every sample generated this step (the trained ones are those with a loss mask).
+    samples: every sample generated this step; trained: those the update used.
     """
     n = max(1, len(samples))
     context = sum(s.num_tokens for s in samples) / n
     rollout = counter.rollout(engine_stats.prefill_tokens, engine_stats.generated_tokens, context)
-    trained = [s for s in samples if s.info.get("trained")]
     prompts = {tuple(s.prompt_ids): len(s.prompt_ids) for s in trained}
     tokens = sum(prompts.values()) + sum(len(s.response_ids) for s in trained)  # shared prompts count once
     responses = sum(len(s.response_ids) for s in trained)

