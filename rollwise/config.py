@@ -87,7 +87,7 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0.0)
     ppo_epochs: int = Field(1, ge=1)
     minibatches_per_epoch: int = Field(1, ge=1)
-    micro_batch_tokens: int = Field(2048, gt=0, description="token budget of one forward/backward")
+    micro_batch_tokens: int = Field(1024, gt=0, description="token budget of one forward/backward")
     share_prompt: bool = Field(True, description="pack a prompt's responses in one row: the prompt is computed once")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 where the CPU has native bf16"
