@@ -7,7 +7,6 @@ the newest complete one with the same data order, RNG streams and optimizer stat
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass, field
@@ -169,7 +168,3 @@ def save_run(run: Run) -> Path:
         run.run_dir, run.step, run.model, run.tokenizer, trainer_state(run), keep=run.cfg.run.keep_checkpoints
     )
 
-
-def reference_copy(model):
-    """A frozen copy of `model` (used when no separate reference checkpoint is given)."""
-    return copy.deepcopy(model).eval().requires_grad_(False)
