@@ -20,7 +20,7 @@ import torch
 from rollwise.config import DataConfig
 from rollwise.data import PromptEncoder, build_prompt_source
 from rollwise.generate import TorchEngine
-from rollwise.hardware import configure_threads
+from rollwise.hardware import configure_allocator, configure_threads
 from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter, matmul_peak_gflops
 from rollwise.types import GenerationRequest, SamplingParams
@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/rollout.json")
     args = parser.parse_args()
+    configure_allocator()
     configure_threads(0)
     results = [measure(p, args.repeats, args.samples, args.prompts, args.max_new_tokens)
                for p in args.precisions.split(",")]

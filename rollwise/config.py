@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
@@ -63,15 +63,34 @@ class RewardConfig(Section):
     format_weight: float = Field(0.0, description="weight of the format part (answer present)")
 
 
+Options = dict[str, float | int | bool | str]
+
+
 class AlgoConfig(Section):
-    advantage: str = "grpo"
-    loss: str = "ppo_clip"
+    """Objective by name (see docs/algorithms.md); `*_options` go to the named entry as keywords."""
+
+    advantage: str = Field("grpo", description="grpo, dr_grpo, rloo, reinforce_pp (outcome) or gae (critic)")
+    loss: str = Field("ppo_clip", description="ppo_clip, dual_clip, gspo, cispo, sao, nsr, reinforce")
+    loss_options: Options = Field(default_factory=dict, description="extra options, e.g. clip_c, rescue_prob")
     aggregation: str = "token_mean"
+    norm_tokens: int | None = Field(None, gt=0, description="seq_mean_token_sum_norm constant; None = max_new_tokens")
     scale_rewards: Literal["group", "none"] = "group"
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.28, ge=0.0)
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: str = "k3"
+    kl_in_reward: bool = Field(False, description="apply kl_coef as a reward penalty instead of a loss term")
+    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus: loss -= coef * aggregate(entropy)")
+    is_correction: str = Field("none", description="engine-vs-trainer correction: none, tis_token, mis_token, "
+                               "tis_seq, mis_seq, sis (needs train.old_logprobs = 'recompute')")
+    is_options: Options = Field(default_factory=dict, description="e.g. cap, low, high")
+    shaping: dict[str, Options] = Field(default_factory=dict, description="reward shaping by name -> options, "
+                                        "e.g. overlong_soft = {cache_len = 16}; alp = {beta = 0.1}")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="gae discount")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="gae lambda")
+    vf_coef: float = Field(0.5, ge=0.0, description="value-loss weight (gae only)")
+    value_lr: float = Field(1e-3, gt=0.0, description="learning rate of the value head (a fresh layer)")
+    value_clip: float | None = Field(0.2, gt=0.0, description="value-loss clip around old values; None = off")
     filter_zero_variance: bool = True
 
 
@@ -91,6 +110,11 @@ class TrainConfig(Section):
     share_prompt: bool = Field(True, description="pack a prompt's responses in one row: the prompt is computed once")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 where the CPU has native bf16"
+    )
+    old_logprobs: Literal["behaviour", "recompute"] = Field(
+        "recompute", description="PPO's old log-probs: 'recompute' = the trainer's own before the first update "
+        "(free on a single on-policy update: no extra pass), 'behaviour' = the engine's sampling log-probs "
+        "(never an extra pass)"
     )
 
 
@@ -121,6 +145,20 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        algo = self.algo
+        if algo.is_correction != "none" and self.train.old_logprobs == "behaviour":
+            raise ValueError(f"algo.is_correction = {algo.is_correction!r} corrects the gap between the engine's "
+                             "log-probs and the trainer's old log-probs; set train.old_logprobs = 'recompute'")
+        if algo.advantage in GROUP_ADVANTAGES and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"algo.advantage = {algo.advantage!r} compares the samples of one prompt: "
+                             "rollout.samples_per_prompt must be at least 2 (or use advantage = 'gae' with a critic)")
+        return self
+
+
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
 
 class ConfigError(ValueError):
@@ -235,4 +273,6 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

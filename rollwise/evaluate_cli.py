@@ -11,7 +11,7 @@ from rollwise.config import load_config
 from rollwise.data import PromptEncoder, build_prompt_source
 from rollwise.evaluate import evaluate
 from rollwise.generate import TorchEngine
-from rollwise.hardware import configure_threads
+from rollwise.hardware import configure_allocator, configure_threads
 from rollwise.models import load_model
 from rollwise.rewards import build_reward_fn
 from rollwise.session import encode_eval_prompts, engine_dtype
@@ -38,6 +38,7 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
     cfg = load_config(recipe if recipe and recipe.exists() else None, overrides + extra)
     if task:
         cfg.data.path = None
+    configure_allocator()
     configure_threads(cfg.model.threads)
     start = time.perf_counter()
     policy, tokenizer = load_model(target, dtype=torch.float32)

@@ -42,3 +42,30 @@ def configure_threads(threads: int = 0) -> int:
     n = threads or physical_cores()
     torch.set_num_threads(n)
     return n
+
+
+def configure_allocator() -> bool:
+    """Keep mid-size freed blocks (up to 32 MB) in the process heap instead of returning them to the OS
+    (glibc only).
+
+    By default glibc serves blocks above a dynamic threshold with fresh `mmap` pages and unmaps them on
+    free, so activation-sized tensors pay page faults on every first touch. Raising the mmap threshold to
+    its maximum (32 MB) keeps those blocks reusable, while larger ones (logit chunks, the tied embedding's
+    gradient) still go back to the OS, which bounds heap fragmentation (a first version that disabled mmap
+    altogether coincided with a 1.4 GB higher peak on the quickstart run).
+    Returns True when the setting was applied.
+    """
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        max_mmap_threshold = 32 * 2**20
+        return bool(libc.mallopt(m_mmap_threshold, max_mmap_threshold)) and bool(
+            libc.mallopt(m_trim_threshold, 2 * max_mmap_threshold))
+    except (OSError, AttributeError):
+        return False

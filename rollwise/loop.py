@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from rollwise import algo
-from rollwise.config import Config
+from rollwise.config import GROUP_ADVANTAGES, Config
 from rollwise.evaluate import evaluate
 from rollwise.filter import filter_groups
 from rollwise.metrics import ConsoleView, print_summary, write_report
@@ -48,18 +48,38 @@ class StageTimer:
         return {f"perf/time/{k}_s": v for k, v in self.seconds.items()}
 
 
-def assign_advantages(groups: list[Group], cfg: Config) -> list[Sample]:
-    """Set `sample.advantage` from group-normalised rewards; returns the samples to train on."""
+def assign_advantages(groups: list[Group], cfg: Config, trainer=None) -> tuple[list[Sample], dict[str, float]]:
+    """Set each sample's training reward (shaped, KL-penalised) and, for outcome estimators, its advantage.
+
+    Returns the samples to train on and `reward/*` metrics of the shaping. Token-level estimators (`gae`)
+    get their advantages in the trainer, from the value head.
+    """
     samples = [s for g in groups for s in g.usable()]
     if not samples:
-        return []
+        return [], {}
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # [N]
     group_ids = torch.tensor([s.group_id for s in samples])  # [N]
+    metrics: dict[str, float] = {}
+    if cfg.algo.shaping:
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+        correct = torch.tensor([bool(s.correct) for s in samples])
+        for name, options in cfg.algo.shaping.items():
+            options = {"max_len": cfg.rollout.max_new_tokens, **options}
+            rewards = algo.shape_rewards(name, rewards, lengths, group_ids, correct, **options)
+        metrics["reward/shaped_mean"] = float(rewards.mean())
+    if cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward and trainer is not None:
+        penalty = torch.tensor(trainer.kl_penalties(samples), dtype=torch.float32)  # [N], <= 0
+        rewards = rewards + penalty
+        metrics["reward/kl_penalty_mean"] = float(penalty.mean())
+    for s, r in zip(samples, rewards.tolist()):
+        s.info["train_reward"] = r
+    if algo.is_token_advantage(cfg.algo.advantage):
+        return samples, metrics
     options = {"scale": cfg.algo.scale_rewards == "group"} if cfg.algo.advantage == "grpo" else {}
     advantages = algo.advantage(cfg.algo.advantage, rewards, group_ids, **options)  # [N]
     for s, a in zip(samples, advantages.tolist()):
         s.advantage = a
-    return samples
+    return samples, metrics
 
 
 def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
@@ -75,9 +95,11 @@ def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
     with timer("reward"):  # Score
         reward_metrics = score_samples(all_samples, run.reward_fn)
     with timer("filter"):  # Filter (+ Control: the batch is the kept groups)
-        filters = ["all_failed"] + (["zero_variance"] if cfg.algo.filter_zero_variance else [])
+        # zero reward variance empties a group-relative advantage; a critic's baseline still learns from it
+        group_relative = cfg.algo.advantage in GROUP_ADVANTAGES
+        filters = ["all_failed"] + (["zero_variance"] if cfg.algo.filter_zero_variance and group_relative else [])
         kept, filter_metrics = filter_groups(groups, filters)
-        samples = assign_advantages(kept, cfg)
+        samples, shaping_metrics = assign_advantages(kept, cfg, run.trainer)
     train_metrics: dict[str, float] = {}
     with timer("train"):  # Train
         if samples:
@@ -88,7 +110,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
         sync_weights(run.model, [run.engine], version=run.step + 1)
     run.step += 1
     row = {"step": run.step, "kind": "train", **dict.fromkeys(TRAIN_KEYS), **reward_metrics, **filter_metrics,
-           **train_metrics}
+           **shaping_metrics, **train_metrics}
     row.update(rollout_metrics(all_samples, timer.seconds["rollout"]))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
     row.update(step_perf(run.flops, run.peak_gflops, run.engine.stats, all_samples, samples, timer.seconds,

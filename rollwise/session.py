@@ -19,7 +19,7 @@ import torch
 from rollwise.config import Config, to_toml
 from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
 from rollwise.generate import TorchEngine
-from rollwise.hardware import bf16_is_native, configure_threads
+from rollwise.hardware import bf16_is_native, configure_allocator, configure_threads
 from rollwise.metrics import MetricsWriter, truncate_after
 from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter, matmul_peak_gflops
@@ -88,6 +88,7 @@ def seed_everything(seed: int) -> None:
 
 def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     """Build the run's components; with `resume`, restore the newest complete checkpoint."""
+    configure_allocator()
     configure_threads(cfg.model.threads)
     seed_everything(cfg.train.seed)
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -101,7 +102,8 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = TorchEngine(model, tokenizer, dtype=engine_dtype(cfg.model.dtype),
                          max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
-    trainer = Trainer(model, cfg.train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature)
+    trainer = Trainer(model, cfg.train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature,
+                      max_new_tokens=cfg.rollout.max_new_tokens)
     source = build_prompt_source(cfg.data, cfg.train.seed)
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
     reward_fn = build_reward_fn(cfg.reward, source.default_reward)
@@ -134,6 +136,8 @@ def trainer_state(run: Run) -> dict[str, Any]:
         "data_position": run.data_position,
         "optimizer": run.trainer.optimizer.state_dict(),
         "scheduler": run.trainer.scheduler.state_dict(),
+        "updates": run.trainer.updates,
+        "value_head": None if run.trainer.value_head is None else run.trainer.value_head.state_dict(),
         "rng": {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -152,6 +156,9 @@ def restore_state(run: Run, state: dict[str, Any]) -> None:
     run.data_position = state["data_position"]
     run.trainer.optimizer.load_state_dict(state["optimizer"])
     run.trainer.scheduler.load_state_dict(state["scheduler"])
+    run.trainer.updates = state.get("updates", 0)
+    if run.trainer.value_head is not None and state.get("value_head") is not None:
+        run.trainer.value_head.load_state_dict(state["value_head"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -71,3 +71,17 @@ def test_split_by_tokens_respects_budget_and_keeps_every_sample():
         for b in batches:
             mb = collate(b, 0, share_prompt=share)
             assert mb.computed_tokens <= 40 or mb.input_ids.shape[0] == 1
+
+
+def test_block_attention_for_shared_rows_matches_plain_rows():
+    from rollwise.train.shared_attention import NAME
+
+    model = tiny_llama(VOCAB, seed=0)
+    samples = _samples(n_prompts=3, per_prompt=5, seed=3)
+    logp_plain, grads_plain, _ = _grads(model, samples, share=False)
+    model.set_attn_implementation(NAME)
+    logp_block, grads_block, mb = _grads(model, samples, share=True)
+    assert mb.layout is not None and len(mb.layout) == 3  # one row per prompt, block attention used
+    assert_close(logp_block, logp_plain)
+    for name, grad in grads_plain.items():
+        assert_close(grads_block[name], grad, rtol=1e-4, atol=1e-5)

@@ -6,6 +6,11 @@ waiting request (continuous batching), so the batch stays full through the long 
 
 The object follows the `update(key, value, layer_idx, **kwargs)` contract that Hugging Face attention
 layers call; the 4-D mask handed to the model makes the library skip its own mask building.
+
+Keys are stored transposed, `[slots, kv_heads, head_dim, capacity]`, so that the scores of a decode step
+(`q @ K^T` over the first `width` columns) are a strided batched matmul. In fp32 attention reads only up to
+the longest slot; oneDNN's bf16 batched matmul copies strided operands, so in bf16 it reads the whole
+(contiguous) capacity instead, which measured cheaper than the copy.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ import torch
 
 
 class SlotCache:
-    """KV tensors `[slots, kv_heads, capacity, head_dim]` per layer, plus per-slot lengths `[slots]`."""
+    """Per layer: keys `[slots, kv_heads, head_dim, capacity]` and values `[slots, kv_heads, capacity, head_dim]`;
+    per-slot lengths `[slots]`."""
 
     def __init__(self, num_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
-        shape = (slots, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros((slots, kv_heads, head_dim, capacity), dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros((slots, kv_heads, capacity, head_dim), dtype=dtype) for _ in range(num_layers)]
         self.lengths = torch.zeros(slots, dtype=torch.long)  # valid columns per slot
+        self._read_full = dtype != torch.float32
         self._write_cols: torch.Tensor | None = None
         self._width = capacity
 
@@ -30,18 +36,32 @@ class SlotCache:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self.values[0].shape[2]
 
     # -- called by the model's attention layers ------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write one new column per slot (key/value [slots, kv_heads, 1, head_dim]); return the cache
         up to the longest slot, [slots, kv_heads, width, head_dim]."""
-        cols = self._write_cols  # [slots]
-        rows = torch.arange(self.slots)
-        self.keys[layer_idx][rows, :, cols] = key_states[:, :, 0].to(self.keys[layer_idx].dtype)
-        self.values[layer_idx][rows, :, cols] = value_states[:, :, 0].to(self.values[layer_idx].dtype)
+        dtype = self.values[layer_idx].dtype
+        keys_t, values = self.write(layer_idx, torch.arange(self.slots), key_states[:, :, 0].to(dtype),
+                                    value_states[:, :, 0].to(dtype))
+        return keys_t.transpose(-1, -2), values
+
+    def write(self, layer_idx: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """Write this step's column of slots `rows` (key/value [slots, kv_heads, head_dim]); return views up to
+        the longest slot: keys [slots, kv_heads, head_dim, width], values [slots, kv_heads, width, head_dim]."""
+        cols = self._write_cols[rows]
+        self.keys[layer_idx][rows, :, :, cols] = key
+        self.values[layer_idx][rows, :, cols] = value
         width = self._width  # attend only up to the longest slot, not the whole capacity
-        return self.keys[layer_idx][:, :, :width], self.values[layer_idx][:, :, :width]
+        return self.keys[layer_idx][..., :width], self.values[layer_idx][:, :, :width]
+
+    def attention_bias(self) -> torch.Tensor:
+        """Additive mask of the current step, [slots, 1, 1, width] fp32: 0 on visible columns, -inf elsewhere."""
+        cols = torch.arange(self._width)[None, :]
+        visible = cols <= self._write_cols[:, None]
+        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+        return bias[:, None, None, :]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lengths.max())
@@ -50,7 +70,7 @@ class SlotCache:
     def begin_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Before a decode step: returns (positions [slots, 1], attention mask [slots, 1, 1, capacity] bool)."""
         self._write_cols = self.lengths.clamp(max=self.capacity - 1)
-        self._width = int(self._write_cols.max()) + 1
+        self._width = self.capacity if self._read_full else int(self._write_cols.max()) + 1
         cols = torch.arange(self._width)[None, :]  # [1, W]
         mask = cols <= self._write_cols[:, None]  # [slots, W]: own columns plus the one being written
         return self._write_cols[:, None], mask[:, None, None, :]
@@ -64,7 +84,7 @@ class SlotCache:
         """Copy prefilled KV (right-padded, per layer [U, kv_heads, L, head_dim]) rows `rows` into `slot_ids`."""
         width = layer_kv[0][0].shape[2]
         for layer, (k, v) in enumerate(layer_kv):
-            self.keys[layer][slot_ids, :, :width] = k[rows].to(self.keys[layer].dtype)
+            self.keys[layer][slot_ids, :, :, :width] = k[rows].transpose(-1, -2).to(self.keys[layer].dtype)
             self.values[layer][slot_ids, :, :width] = v[rows].to(self.values[layer].dtype)
         self.lengths[slot_ids] = lengths
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from rollwise.generate.fused_decode import FusedDecoder
 from rollwise.generate.sampling import sample_tokens
 from rollwise.generate.slot_cache import SlotCache
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
@@ -67,10 +68,11 @@ class TorchEngine:
         max_batch_size: number of slots (sequences decoded together).
         seed: seed of the sampling generator (its state is saved with checkpoints).
         prefill_tokens: token budget of one prefill forward.
+        fused: decode with `FusedDecoder` when the architecture supports it (else the model's own forward).
     """
 
     def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
-                 seed: int = 0, prefill_tokens: int = 4096):
+                 seed: int = 0, prefill_tokens: int = 4096, fused: bool = True):
         self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -87,6 +89,7 @@ class TorchEngine:
         self._layers = cfg.num_hidden_layers
         self._kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.fused = FusedDecoder(self.model, max_batch_size) if fused and FusedDecoder.supports(self.model) else None
 
     # -- protocol -----------------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -94,6 +97,8 @@ class TorchEngine:
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor)
+        if self.fused is not None:
+            self.fused.refresh()
         self.version = version
 
     def abort(self, request_ids: list[int]) -> None:
@@ -176,19 +181,29 @@ class TorchEngine:
             for row, c in enumerate(chunk):
                 ids[row, : len(c)] = torch.tensor(c)
                 attn[row, : len(c)] = 1
-            dyn = DynamicCache()
-            hidden = self.model.get_decoder()(input_ids=ids, attention_mask=attn, cache=dyn, use_cache=True,
-                                              position_ids=torch.arange(width).expand(len(chunk), -1)).last_hidden_state
-            last = hidden[torch.arange(len(chunk)), attn.sum(-1) - 1]  # [u, H]
-            logits.append(self.model.get_output_embeddings()(last).float())
-            for layer in range(self._layers):
-                keys[layer].append(dyn.layers[layer].keys)
-                values[layer].append(dyn.layers[layer].values)
+            if self.fused is not None:
+                chunk_logits, chunk_kv = self.fused.prefill(ids, attn.sum(-1))
+            else:
+                chunk_logits, chunk_kv = self._model_prefill(ids, attn)
+            logits.append(chunk_logits.float())
+            for layer, (k, v) in enumerate(chunk_kv):
+                keys[layer].append(k)
+                values[layer].append(v)
             self.stats.computed_tokens += ids.numel()
             self.stats.prefill_tokens += int(attn.sum())
         layer_kv = [(torch.cat(keys[i]), torch.cat(values[i])) for i in range(self._layers)]
         lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)
         return torch.cat(logits), layer_kv, lengths
+
+    def _model_prefill(self, ids: torch.Tensor, attn: torch.Tensor):
+        """Prefill with the model's own forward: (last-token logits [u, V], per-layer (keys, values))."""
+        dyn = DynamicCache()
+        width = ids.shape[1]
+        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=attn, cache=dyn, use_cache=True,
+                                          position_ids=torch.arange(width).expand(len(ids), -1)).last_hidden_state
+        last = hidden[torch.arange(len(ids)), attn.sum(-1) - 1]  # [u, H]
+        kv = [(dyn.layers[i].keys, dyn.layers[i].values) for i in range(self._layers)]
+        return self.model.get_output_embeddings()(last), kv
 
     def _decode_step(self, cache, slots, active, params, generator, results) -> None:
         pending = torch.full((cache.slots,), self.pad_id, dtype=torch.long)
@@ -197,15 +212,19 @@ class TorchEngine:
             pending[i] = slots[i].pending
             is_active[i] = True
         positions, mask = cache.begin_step()
-        out = self.model(input_ids=pending[:, None], attention_mask=mask, position_ids=positions,
-                         cache=cache, use_cache=True, logits_to_keep=1)
+        idx = torch.tensor(active)
+        if self.fused is not None:
+            logits = self.fused.step(pending, positions[:, 0], cache, idx)  # [A, V]
+        else:
+            out = self.model(input_ids=pending[:, None], attention_mask=mask, position_ids=positions,
+                             cache=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[idx, -1]
         cache.end_step(is_active)
-        self.stats.computed_tokens += cache.slots
+        # the fused step runs its projections and MLP on active rows only (attention still spans every slot)
+        self.stats.computed_tokens += len(active) if self.fused is not None else cache.slots
         self.stats.decode_steps += 1
         self.stats.active_slot_steps += len(active)
-        idx = torch.tensor(active)
-        tokens, logprobs = sample_tokens(out.logits[idx, -1].float(), params.temperature, params.top_k,
-                                         params.top_p, generator)
+        tokens, logprobs = sample_tokens(logits.float(), params.temperature, params.top_k, params.top_p, generator)
         for i, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
             seq = slots[i]
             self._append(seq, tok, lp)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollwise.train.shared_attention import RowLayout
 from rollwise.types import Sample
 
 
@@ -38,6 +39,7 @@ class MicroBatch:
     pred_index: torch.Tensor
     advantages: torch.Tensor
     real_tokens: int
+    layout: list | None = None  # prompt-shared rows: one `RowLayout` per row (block attention)
 
     @property
     def computed_tokens(self) -> int:
@@ -97,8 +99,10 @@ def collate(samples: list[Sample], pad_id: int, share_prompt: bool = False) -> M
     segment = torch.full((R, width), -1, dtype=torch.long)  # -2 prompt, i >= 0 response i, -1 padding
     pred_index = torch.zeros((S, T), dtype=torch.long)
     k = 0
+    layout = []
     for r, unit in enumerate(rows):
         P = len(unit[0].prompt_ids)
+        spans = []
         input_ids[r, :P] = torch.tensor(unit[0].prompt_ids)
         positions[r, :P] = torch.arange(P)
         segment[r, :P] = -2
@@ -111,13 +115,17 @@ def collate(samples: list[Sample], pad_id: int, share_prompt: bool = False) -> M
             # token 0 is predicted by the last prompt position, token t by the response's token t - 1
             if n:
                 pred_index[k, :n] = r * width + torch.cat([torch.tensor([P - 1]), torch.arange(start, start + n - 1)])
+                spans.append((start, n))
             start += n
             k += 1
+        layout.append(RowLayout.build(P, spans) if spans else None)
     real = int((segment != -1).sum())
     attention = _shared_mask(segment) if share_prompt else (segment != -1).long()
     targets, loss_mask, blp, valid = _sample_tensors(ordered, T, pad_id)
     adv = torch.tensor([s.advantage for s in ordered], dtype=torch.float32)
-    return MicroBatch(ordered, input_ids, attention, positions, targets, loss_mask, blp, valid, pred_index, adv, real)
+    shared_layout = layout if share_prompt and all(row is not None for row in layout) else None
+    return MicroBatch(ordered, input_ids, attention, positions, targets, loss_mask, blp, valid, pred_index, adv, real,
+                      shared_layout)
 
 
 def _shared_mask(segment: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,10 @@ from rollwise import algo
 from rollwise.config import AlgoConfig, TrainConfig
 from rollwise.hardware import bf16_is_native
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
-from rollwise.train.logprobs import token_logprobs
+from rollwise.train.critic import ValueHead
+from rollwise.train.logprobs import response_hidden, token_logprobs
+from rollwise.train.objective import Objective
+from rollwise.train.shared_attention import NAME as SHARED_ATTENTION
 from rollwise.types import Sample
 
 
@@ -47,7 +50,7 @@ class Trainer:
     """Owns the policy's optimizer, schedule and (optionally) a frozen reference model."""
 
     def __init__(self, model, train_cfg: TrainConfig, algo_cfg: AlgoConfig, pad_id: int, ref_model=None,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, max_new_tokens: int = 64):
         self.model = model
         self.cfg = train_cfg
         self.algo = algo_cfg
@@ -56,15 +59,23 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.device_type = next(model.parameters()).device.type
         self.bf16 = use_bf16(train_cfg.precision, self.device_type)
-        params = [p for p in model.parameters() if p.requires_grad]
+        if self.bf16 and ref_model is not None:
+            _store_linears_in(ref_model, torch.bfloat16)
+        if train_cfg.share_prompt:  # block attention for prompt-shared rows (plain SDPA for every other call)
+            for m in (model, ref_model):
+                if m is not None:
+                    m.set_attn_implementation(SHARED_ATTENTION)
+        self.objective = Objective(algo_cfg, max_new_tokens)  # fails early on unknown names and options
+        self.value_head = ValueHead(model.config.hidden_size) if algo.is_token_advantage(algo_cfg.advantage) else None
+        params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        if self.value_head is not None:  # a fresh layer: its own, larger learning rate
+            params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})
+        self.updates = 0  # optimizer steps so far: seeds the stochastic loss entries
         self.optimizer = torch.optim.AdamW(  # fused: one kernel per step instead of one per op and tensor
             params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay, eps=1e-8,
             fused=self.device_type in ("cpu", "cuda"),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train_cfg))
-        algo.POLICY_LOSSES.get(algo_cfg.loss)  # fail early on unknown names
-        algo.AGGREGATIONS.get(algo_cfg.aggregation)
-        algo.KL_ESTIMATORS.get(algo_cfg.kl_estimator)
 
     def _autocast(self):
         if self.bf16:
@@ -79,29 +90,37 @@ class Trainer:
     @torch.no_grad()
     def _frozen_logprobs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         with self._autocast():
-            return [token_logprobs(model, mb, self.temperature)[0] for mb in mbs]
+            return [token_logprobs(model, mb, self.temperature, with_entropy=False)[0] for mb in mbs]
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL update on `samples` (advantages already set). Returns `train/*` and `mismatch/*`."""
         self.model.train()
         minibatches = _split(samples, self.cfg.minibatches_per_epoch)
         single_update = self.cfg.ppo_epochs == 1 and len(minibatches) == 1
+        from_engine = self.cfg.old_logprobs == "behaviour"
         plans = [self._micro_batches(mb) for mb in minibatches]
-        old = None if single_update else [self._frozen_logprobs(self.model, p) for p in plans]
+        old = None if from_engine or single_update else [self._frozen_logprobs(self.model, p) for p in plans]
         ref = None
-        if self.algo.kl_coef > 0 and self.ref_model is not None:
+        if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and self.ref_model is not None:
             ref = [self._frozen_logprobs(self.ref_model, p) for p in plans]
+        critic = [self._critic_targets(p) for p in plans] if self.value_head is not None else None
         acc = _Accumulator()
-        for _epoch in range(self.cfg.ppo_epochs):
+        for epoch in range(self.cfg.ppo_epochs):
             for k, plan in enumerate(plans):
-                n_tokens = sum(float(mb.loss_mask.sum()) for mb in plan)
+                norms = algo.batch_normalisers([mb.loss_mask for mb in plan])
+                # engine-vs-trainer mismatch: measured on weights that sampled the batch (before any update)
+                measure = epoch == 0 and (k == 0 or old is not None)
                 for j, mb in enumerate(plan):
-                    self._backward(mb, n_tokens, None if old is None else old[k][j],
-                                   None if ref is None else ref[k][j], acc, first_pass=_epoch == 0)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+                    old_logp = mb.behaviour_logp if from_engine else None if old is None else old[k][j]
+                    self._backward(mb, norms, old_logp, None if ref is None else ref[k][j], acc, measure,
+                                   None if old is None else old[k][j], None if critic is None else critic[k][j],
+                                   seed=self.updates * 1000 + j)
+                params = list(self.model.parameters()) + (list(self.value_head.parameters()) if critic else [])
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
                 acc.add("train/grad_norm", float(grad_norm), 1.0)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self.updates += 1
         self.scheduler.step()
         out = acc.means()
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -112,33 +131,65 @@ class Trainer:
         out["perf/train_padding_eff"] = real / max(1, computed)
         return out
 
+    def kl_penalties(self, samples: list[Sample]) -> list[float]:
+        """`algo.kl_in_reward`: per-sample summed KL penalty `-kl_coef * sum_t k(behaviour, ref)`, in order."""
+        if self.ref_model is None:
+            return [0.0] * len(samples)
+        mbs = self._micro_batches(samples)
+        penalty: dict[int, float] = {}
+        for mb, ref_logp in zip(mbs, self._frozen_logprobs(self.ref_model, mbs)):
+            rows = algo.kl_reward_penalty(self.algo.kl_estimator, mb.behaviour_logp, ref_logp, mb.loss_mask,
+                                          self.algo.kl_coef, per_sequence=True)  # [S]
+            for sample, value in zip(mb.samples, rows.tolist()):
+                penalty[id(sample)] = value
+        return [penalty[id(s)] for s in samples]
+
+    @torch.no_grad()
+    def _critic_targets(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """GAE on the current values: per micro-batch (old_values [S, T], returns [S, T]); sets mb.advantages."""
+        out = []
+        for mb in mbs:
+            with self._autocast():
+                hidden = response_hidden(self.model, mb)
+            values = self.value_head(hidden, mb)  # [S, T], fp32 as in the training pass
+            rewards = torch.tensor([s.info.get("train_reward", s.reward) for s in mb.samples], dtype=torch.float32)
+            mb.advantages, returns = algo.token_advantage(self.algo.advantage, rewards, values, mb.loss_mask,
+                                                          gamma=self.algo.gamma, lam=self.algo.lam)
+            out.append((values, returns))
+        return out
+
     def skip_step(self) -> None:
         """Advance the lr schedule on a step without an update (every group was filtered out)."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             self.scheduler.step()
 
-    def _backward(self, mb: MicroBatch, n_tokens: float, old_logp, ref_logp, acc: "_Accumulator",
-                  first_pass: bool) -> None:
+    def _backward(self, mb: MicroBatch, norms: dict, old_logp, ref_logp, acc: "_Accumulator", measure: bool,
+                  pre_update_logp=None, critic=None, seed: int = 0) -> None:
+        """Accumulate gradients of one micro-batch. `old_logp` None = on-policy (the detached current logp);
+        `pre_update_logp`, when given, is the trainer's logp before this step's updates; `critic` is
+        (old_values, returns) [S, T] each."""
         mask = mb.loss_mask  # [B, T]
+        hidden: list | None = [] if critic is not None else None
         with self._autocast():
-            logp, entropy = token_logprobs(self.model, mb, self.temperature)  # [B, T] each
+            logp, entropy = token_logprobs(self.model, mb, self.temperature, hidden_out=hidden)  # [B, T] each
         old = logp.detach() if old_logp is None else old_logp
-        per_tok, m = algo.policy_loss(self.algo.loss, logp, old, mb.advantages, mask,
-                                      clip_low=self.algo.clip_low, clip_high=self.algo.clip_high)
-        loss = algo.aggregate(self.algo.aggregation, per_tok, mask, num_tokens=n_tokens)
-        w = float(mask.sum())
-        if ref_logp is not None:
-            kl_tok = algo.kl(self.algo.kl_estimator, logp, ref_logp)  # [B, T]
-            loss = loss + self.algo.kl_coef * algo.aggregate(self.algo.aggregation, kl_tok, mask, num_tokens=n_tokens)
-            acc.add("train/kl", float((kl_tok.detach() * mask).sum()) / max(w, 1), w)
+        loss, metrics = self.objective.loss(logp, old, mb.behaviour_logp, mb.advantages, mask, norms, seed,
+                                            entropy=entropy, ref_logp=ref_logp)
+        if critic is not None:
+            old_values, returns = critic
+            per_token, value_metrics = algo.value_loss(self.value_head(hidden[0], mb), old_values, returns, mask,
+                                                       clip=self.algo.value_clip)
+            loss = loss + self.algo.vf_coef * self.objective.aggregate(per_token, mask, norms)
+            metrics.update({f"value/{k}": float(v) for k, v in value_metrics.items()})
         loss.backward()
-        acc.add("train/loss", float(loss.detach()) * n_tokens / max(w, 1), w)
+        w = float(mask.sum())
+        acc.add("train/loss", float(loss.detach()) * norms["num_tokens"] / max(w, 1), w)
         acc.add("train/entropy", float((entropy.detach() * mask).sum()) / max(w, 1), w)
-        for key, value in m.items():
-            acc.add(f"train/{key}", float(value), w)
-        if first_pass:  # engine vs trainer on the same tokens, before any update of this step
-            self._mismatch(logp.detach() if old_logp is None else old_logp, mb, acc)
+        for key, value in metrics.items():
+            acc.add(key, value, w)
+        if measure:  # engine vs trainer on the same tokens, before any update of this step
+            self._mismatch(logp.detach() if pre_update_logp is None else pre_update_logp, mb, acc)
 
     @staticmethod
     def _mismatch(trainer_logp: torch.Tensor, mb: MicroBatch, acc: "_Accumulator") -> None:
@@ -149,6 +200,21 @@ class Trainer:
         acc.add("mismatch/logprob_abs_diff_mean", float(diff.abs().sum()) / max(w, 1), w)
         acc.add("mismatch/k3", float(k3.sum()) / max(w, 1), w)
         acc.add("mismatch/logprob_abs_diff_max", float(diff.abs().max()), 0.0)
+
+
+def _store_linears_in(model, dtype: torch.dtype) -> None:
+    """Keep a frozen model's linear weights in `dtype`, as autocast would cast them on every call.
+
+    Only `nn.Linear` weights inside the body change (not norms, embeddings or the LM head, which autocast
+    leaves in fp32), so the numbers are those of autocast with fp32 weights, minus the per-call casts.
+    """
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module is not head:
+                module.weight.data = module.weight.data.to(dtype)
+                if module.bias is not None:
+                    module.bias.data = module.bias.data.to(dtype)
 
 
 def _split(samples: list[Sample], parts: int) -> list[list[Sample]]:
