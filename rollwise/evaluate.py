@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from rollwise.generate.base import Engine
 from rollwise.rewards import score_samples
-from rollwise.rollout import generate_groups
-from rollwise.types import Prompt, SamplingParams, Status
+from rollwise.rollout import make_groups
+from rollwise.types import GenerationRequest, Prompt, SamplingParams, Status
 
 EVAL_SEED = 1234  # evaluation samples from its own stream, so it never shifts training's RNG
 
@@ -24,9 +24,13 @@ def evaluate(
     """
     out: dict[str, float] = {"eval/n": float(len(prompts))}
     modes = [("sampled", temperature)] + ([("greedy", 0.0)] if greedy else [])
-    for label, temp in modes:
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, seed=EVAL_SEED)
-        groups = generate_groups(engine, prompts, 1, params)
+    params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=EVAL_SEED) for _, t in modes]
+    # one engine call, the modes of each prompt next to each other: they share that prompt's prefill
+    requests = [GenerationRequest(i * len(modes) + k, ids, p)
+                for i, (_, ids) in enumerate(prompts) for k, p in enumerate(params)]
+    results = engine.generate(requests)
+    for k, (label, _) in enumerate(modes):
+        groups = make_groups(prompts, 1, results[k :: len(modes)])
         samples = [g.samples[0] for g in groups]
         metrics = score_samples(samples, reward_fn)
         scored = [s for s in samples if s.status != Status.FAILED]  # failed rewards are errors, not wrong answers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rollwise.config import RolloutConfig
 from rollwise.generate.base import Engine
-from rollwise.types import GenerationRequest, Group, Prompt, Sample, SamplingParams
+from rollwise.types import GenerationRequest, GenerationResult, Group, Prompt, Sample, SamplingParams
 
 
 def sampling_params(cfg: RolloutConfig, temperature: float | None = None, max_new_tokens: int | None = None) -> SamplingParams:
@@ -25,12 +25,23 @@ def generate_groups(
     first_group_id: int = 0,
 ) -> list[Group]:
     """Sample `samples_per_prompt` responses for each encoded prompt; one Group per prompt."""
-    requests = [
-        GenerationRequest(request_id=i * samples_per_prompt + j, prompt_ids=ids, params=params)
+    results = engine.generate(make_requests(prompts, samples_per_prompt, params))
+    return make_groups(prompts, samples_per_prompt, results, first_group_id)
+
+
+def make_requests(prompts: list[tuple[Prompt, list[int]]], samples_per_prompt: int, params: SamplingParams,
+                  first_request_id: int = 0) -> list[GenerationRequest]:
+    """`samples_per_prompt` requests per prompt, ids counting up from `first_request_id`."""
+    return [
+        GenerationRequest(request_id=first_request_id + i * samples_per_prompt + j, prompt_ids=ids, params=params)
         for i, (_, ids) in enumerate(prompts)
         for j in range(samples_per_prompt)
     ]
-    results = engine.generate(requests)
+
+
+def make_groups(prompts: list[tuple[Prompt, list[int]]], samples_per_prompt: int, results: list[GenerationResult],
+                first_group_id: int = 0) -> list[Group]:
+    """Results in request order (as `make_requests` made them) -> one Group per prompt."""
     groups = []
     for i, (prompt, ids) in enumerate(prompts):
         gid = first_group_id + i

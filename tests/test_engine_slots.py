@@ -53,3 +53,20 @@ def test_aborted_request_continues_exactly_as_uninterrupted():
     # the continuation records only its own span, under the new version
     assert rest.version_spans == [(len(part.response_ids), len(full.response_ids), 1)]
     assert rest.status == full.status
+
+
+def test_mixed_sampling_params_share_prefill_and_keep_their_own_results():
+    tok, model, prompts = _setup()
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    sampled = SamplingParams(max_new_tokens=9, temperature=1.0, seed=7)
+    engine = TorchEngine(model, tok)
+    mixed = engine.generate([GenerationRequest(2 * i + k, p, params)
+                             for i, p in enumerate(prompts) for k, params in enumerate((sampled, greedy))])
+    assert engine.stats.prefill_tokens == sum(len(p) for p in prompts)  # one prefill per prompt, both modes
+    alone = TorchEngine(model, tok).generate([GenerationRequest(i, p, greedy) for i, p in enumerate(prompts)])
+    for i, res in enumerate(alone):
+        assert mixed[2 * i + 1].response_ids == res.response_ids  # greedy unaffected by its sampled neighbours
+        assert len(mixed[2 * i].response_ids) <= 9 and len(res.response_ids) <= 6
+    again = TorchEngine(model, tok).generate([GenerationRequest(2 * i + k, p, params)
+                                              for i, p in enumerate(prompts) for k, params in enumerate((sampled, greedy))])
+    assert [r.response_ids for r in again] == [r.response_ids for r in mixed]  # seeded: repeatable

@@ -106,21 +106,24 @@ class TorchEngine:
             self._aborted.update(request_ids)
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Run every request to completion (or abort) in one continuous batch; requests may carry different
+        sampling params (each params value draws from its own generator when seeded)."""
         results: dict[int, GenerationResult] = {}
-        by_params: dict[SamplingParams, list[GenerationRequest]] = {}
-        for r in requests:
-            by_params.setdefault(r.params, []).append(r)
-        for params, reqs in by_params.items():
-            self._run(reqs, params, results)
+        if requests:
+            self._run(requests, results)
         with self._lock:
             self._aborted.difference_update(results)
         return [results[r.request_id] for r in requests]
 
     # -- the decode loop ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _run(self, reqs: list[GenerationRequest], params: SamplingParams, results: dict) -> None:
-        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        capacity = max(len(r.prompt_ids) + max(len(r.response_ids), params.max_new_tokens) for r in reqs) + 1
+    def _run(self, reqs: list[GenerationRequest], results: dict) -> None:
+        generators: dict[SamplingParams, torch.Generator] = {}
+        for r in reqs:
+            if r.params not in generators:
+                seeded = r.params.seed is not None
+                generators[r.params] = torch.Generator().manual_seed(r.params.seed) if seeded else self.generator
+        capacity = max(len(r.prompt_ids) + max(len(r.response_ids), r.params.max_new_tokens) for r in reqs) + 1
         cache = SlotCache(self._layers, min(self.max_batch_size, len(reqs)), self._kv_heads, capacity,
                           self._head_dim, self.dtype)
         waiting = deque(reqs)
@@ -129,7 +132,7 @@ class TorchEngine:
             free = [i for i, s in enumerate(slots) if s is None]
             if free and waiting:
                 admitted = [_Sequence(waiting.popleft(), [], [], 0) for _ in range(min(len(free), len(waiting)))]
-                self._admit(cache, slots, free, admitted, params, generator, results)
+                self._admit(cache, slots, free, admitted, generators, results)
             active = [i for i, s in enumerate(slots) if s is not None]
             if not active:
                 continue
@@ -137,19 +140,21 @@ class TorchEngine:
                 cache.keep(torch.tensor(active))
                 slots = [slots[i] for i in active]
                 active = list(range(len(slots)))
-            self._decode_step(cache, slots, active, params, generator, results)
+            self._decode_step(cache, slots, active, generators, results)
 
-    def _admit(self, cache, slots, free, admitted, params, generator, results) -> None:
+    def _admit(self, cache, slots, free, admitted, generators, results) -> None:
         """Prefill the admitted requests (one forward per distinct context), sample their first token."""
         for seq in admitted:
             seq.ids, seq.logprobs = list(seq.req.response_ids), list(seq.req.response_logprobs)
             seq.start_len = len(seq.ids)
-            if seq.start_len >= params.max_new_tokens:
+            if seq.start_len >= seq.req.params.max_new_tokens:
                 seq.status = Status.TRUNCATED
         todo = [s for s in admitted if s.status is None]
         for s in admitted:
             if s.status is not None:
                 results[s.req.request_id] = self._result(s)
+        if not todo:
+            return
         contexts = [tuple(s.req.prompt_ids + s.req.response_ids) for s in todo]
         unique = list(dict.fromkeys(contexts))
         row_of = {c: i for i, c in enumerate(unique)}
@@ -157,8 +162,8 @@ class TorchEngine:
         rows = torch.tensor([row_of[c] for c in contexts], dtype=torch.long)  # [A]
         slot_ids = torch.tensor(free[: len(todo)], dtype=torch.long)
         cache.load_prefill(slot_ids, layer_kv, rows, lengths[rows])
-        tokens, logprobs = sample_tokens(logits[rows], params.temperature, params.top_k, params.top_p, generator)
-        for seq, slot, tok, lp in zip(todo, slot_ids.tolist(), tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = _sample_rows(logits[rows], [s.req.params for s in todo], generators)
+        for seq, slot, tok, lp in zip(todo, slot_ids.tolist(), tokens, logprobs):
             slots[slot] = seq
             self._append(seq, tok, lp)
             if seq.status is not None:
@@ -205,7 +210,7 @@ class TorchEngine:
         kv = [(dyn.layers[i].keys, dyn.layers[i].values) for i in range(self._layers)]
         return self.model.get_output_embeddings()(last), kv
 
-    def _decode_step(self, cache, slots, active, params, generator, results) -> None:
+    def _decode_step(self, cache, slots, active, generators, results) -> None:
         pending = torch.full((cache.slots,), self.pad_id, dtype=torch.long)
         is_active = torch.zeros(cache.slots, dtype=torch.bool)
         for i in active:
@@ -224,8 +229,8 @@ class TorchEngine:
         self.stats.computed_tokens += len(active) if self.fused is not None else cache.slots
         self.stats.decode_steps += 1
         self.stats.active_slot_steps += len(active)
-        tokens, logprobs = sample_tokens(logits.float(), params.temperature, params.top_k, params.top_p, generator)
-        for i, tok, lp in zip(active, tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = _sample_rows(logits, [slots[i].req.params for i in active], generators)
+        for i, tok, lp in zip(active, tokens, logprobs):
             seq = slots[i]
             self._append(seq, tok, lp)
             if seq.status is not None:
@@ -261,6 +266,21 @@ class TorchEngine:
         if seq.status == Status.COMPLETED and seq.req.params.stop:
             text = _cut_at_stop(text, seq.req.params.stop)
         return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text)
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: dict) -> tuple[list, list]:
+    """Sample one token per row of logits [A, V], each row under its request's params (rows with equal
+    params are sampled together, in row order). Returns (tokens, logprobs) as lists of length A."""
+    tokens, logprobs = [0] * len(params), [0.0] * len(params)
+    by_params: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        by_params.setdefault(p, []).append(row)
+    for p, rows in by_params.items():
+        picked = logits if len(rows) == len(params) else logits[torch.tensor(rows)]
+        tok, lp = sample_tokens(picked.float(), p.temperature, p.top_k, p.top_p, generators[p])
+        for row, t, l in zip(rows, tok.tolist(), lp.tolist()):
+            tokens[row], logprobs[row] = t, l
+    return tokens, logprobs
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
