@@ -2,8 +2,8 @@
 
 At decode time a linear layer multiplies tens of rows by a large weight; a plain `F.linear` re-lays the
 weight out for the kernel on every call. Reordering it once into oneDNN's blocked format (what
-`torch.compile`'s weight freezing does) measured 1.3-1.8x faster in bf16 and 1.5-3x in fp32 for the
-shapes of SmolLM2-135M at 16-64 rows on this project's CPU (`benchmarks/README.md`). Results are
+`torch.compile`'s weight freezing does) was faster in both bf16 and fp32 for the shapes of SmolLM2-135M at
+16-64 rows on this project's development CPU (the end-to-end effect: `benchmarks/rollout.py`). Results are
 identical to `F.linear` (same kernel family); packing is checked once per dtype and skipped where the
 operators are missing or disagree, so the plain path is always the fallback.
 """

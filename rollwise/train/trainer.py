@@ -115,7 +115,7 @@ class Trainer:
                     self._backward(mb, norms, old_logp, None if ref is None else ref[k][j], acc, measure,
                                    None if old is None else old[k][j], None if critic is None else critic[k][j],
                                    seed=self.updates * 1000 + j)
-                params = list(self.model.parameters()) + (list(self.value_head.parameters()) if critic else [])
+                params = [p for group in self.optimizer.param_groups for p in group["params"]]
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
                 acc.add("train/grad_norm", float(grad_norm), 1.0)
                 self.optimizer.step()
