@@ -251,7 +251,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         state["threads_seen_rw"] = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         start = time.perf_counter()
-        row, groups = rl_step(run)
+        row, batch = rl_step(run)
         step_s = time.perf_counter() - start
         run.writer.write(row)  # outside the timed region, as in rollwise's own loop
         state["rollwise"].append({
@@ -259,7 +259,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             "gen_s": row.get("perf/rollout_s"),
             "train_s": row.get("perf/train_s"),
             "gen_tokens": int(row["rollout/tokens"]),
-            "completions": sum(len(g.samples) for g in groups),
+            "completions": sum(len(g.samples) for g in batch.generated),
             "groups_trained": row.get("filter/groups_kept"),
             "optimizer_steps": row.get("train/optimizer_steps"),
             "trained_tokens": row.get("train/tokens"),

@@ -96,6 +96,8 @@ class AlgoConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(30, ge=0)
+    max_time_s: float = Field(0.0, ge=0.0, description="stop after the step at which the RL steps' wall time "
+                              "(evaluation excluded) reaches this; 0 = no limit")
     lr: float = Field(1e-5, gt=0.0)
     seed: int = 0
     warmup_steps: int = Field(0, ge=0)
@@ -116,6 +118,39 @@ class TrainConfig(Section):
         "(free on a single on-policy update: no extra pass), 'behaviour' = the engine's sampling log-probs "
         "(never an extra pass)"
     )
+
+
+class ControlConfig(Section):
+    """Batch assembly: dynamic sampling, partial rollouts and the asynchronous mode (docs/guide.md)."""
+
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="async = generation in its own process, overlapping training (bounded staleness)")
+    dynamic_sampling: bool = Field(
+        False, description="keep sampling prompts until prompts_per_step groups have reward variance (DAPO)")
+    max_sampling_rounds: int = Field(4, ge=1, description="dynamic sampling: generation rounds per step at most")
+    partial_rollouts: bool = Field(
+        False, description="start over_provision x prompts_per_step groups, stop the rest once prompts_per_step "
+        "are complete, and continue them next step (APRIL)")
+    over_provision: float = Field(1.5, ge=1.0, description="partial rollouts: groups started per group needed")
+    max_staleness: int = Field(1, ge=0, description="async: the oldest policy version trained on is "
+                               "current - max_staleness")
+    generation_threads: int = Field(0, ge=0, description="async: torch threads of the generation process; "
+                                    "0 = half the physical cores (at least 1)")
+    generation_device: str = Field("cpu", description="async: device of the generation process's engine")
+
+
+class ReplayConfig(Section):
+    """Replay of earlier samples into later batches, with importance correction (docs/guide.md)."""
+
+    kind: Literal["none", "hard_case", "ssr"] = Field(
+        "none", description="hard_case = low-reward groups with reward variance (ReRULE); "
+        "ssr = selective sample replay of large-|advantage| samples (VL-Rethinker)")
+    capacity: int = Field(64, gt=0, description="groups (hard_case) or samples (ssr) kept at most")
+    max_age: int = Field(4, ge=0, description="policy versions a stored sample may age before it is evicted")
+    mix_ratio: float = Field(0.25, ge=0.0, le=1.0, description="replayed share of a step's batch at most")
+    hard_reward_threshold: float = Field(0.5, description="hard_case: keep groups with mean reward below this")
+    min_abs_advantage: float = Field(0.0, ge=0.0, description="ssr: keep samples with |advantage| above this")
+    max_uses: int = Field(1, ge=1, description="times one stored entry may be replayed")
 
 
 class EvalConfig(Section):
@@ -143,6 +178,8 @@ class Config(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
@@ -155,7 +192,25 @@ class Config(Section):
         if algo.advantage in GROUP_ADVANTAGES and self.rollout.samples_per_prompt < 2:
             raise ValueError(f"algo.advantage = {algo.advantage!r} compares the samples of one prompt: "
                              "rollout.samples_per_prompt must be at least 2 (or use advantage = 'gae' with a critic)")
+        self._check_off_policy()
         return self
+
+    def _check_off_policy(self) -> None:
+        control, replay = self.control, self.replay
+        sources = [name for name, on in [
+            ("control.partial_rollouts", control.partial_rollouts),
+            (f"replay.kind = {replay.kind!r}", replay.kind != "none"),
+            ("control.mode = 'async' with max_staleness > 0", control.mode == "async" and control.max_staleness > 0),
+        ] if on]
+        if sources and self.algo.is_correction == "none":
+            raise ValueError(f"{sources[0]} trains on tokens sampled by older policies: set algo.is_correction "
+                             "(e.g. 'tis_token') to correct them with their stored behaviour log-probs")
+        if control.mode == "async" and control.partial_rollouts:
+            raise ValueError("control.partial_rollouts works with control.mode = 'sync' only (async mode already "
+                             "overlaps the long tail with training)")
+        if replay.kind != "none" and self.algo.advantage not in GROUP_ADVANTAGES:
+            raise ValueError(f"replay.kind = {replay.kind!r} replays stored outcome advantages; "
+                             f"algo.advantage = {self.algo.advantage!r} has none (use one of {GROUP_ADVANTAGES})")
 
 
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
@@ -223,6 +278,9 @@ def _format_validation(exc: ValidationError, where: str) -> str:
         key = ".".join(str(p) for p in err["loc"])
         ctx = err.get("ctx", {})
         expected = f" (expected {ctx['expected']})" if "expected" in ctx else ""
+        if not key:  # a rule across keys: its message names them
+            lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
+            continue
         lines.append(f"  {key}: {err['msg']}{expected}; got {err.get('input')!r}")
     return "\n".join(lines)
 

@@ -29,12 +29,8 @@ def zero_variance(group: Group) -> FilterResult:
     return FilterResult(keep=len(rewards) > 1, reason="zero_variance")
 
 
-def filter_groups(groups: list[Group], names: list[str]) -> tuple[list[Group], dict[str, float]]:
-    """Apply group filters in order; returns kept groups and `filter/*` metrics.
-
-    `filter/<reason>_frac` is the fraction of all groups dropped for that reason, `filter/kept_frac`
-    the fraction kept.
-    """
+def apply_filters(groups: list[Group], names: list[str]) -> tuple[list[Group], Counter]:
+    """Apply group filters in order; returns the kept groups and the number dropped per reason."""
     filters = [GROUP_FILTERS.get(n) for n in names]
     kept, dropped = [], Counter()
     for group in groups:
@@ -45,6 +41,16 @@ def filter_groups(groups: list[Group], names: list[str]) -> tuple[list[Group], d
                 break
         else:
             kept.append(group)
+    return kept, dropped
+
+
+def filter_groups(groups: list[Group], names: list[str]) -> tuple[list[Group], dict[str, float]]:
+    """Apply group filters in order; returns kept groups and `filter/*` metrics.
+
+    `filter/<reason>_frac` is the fraction of all groups dropped for that reason, `filter/kept_frac`
+    the fraction kept.
+    """
+    kept, dropped = apply_filters(groups, names)
     total = max(1, len(groups))
     metrics = {f"filter/{name}_frac": dropped[name] / total for name in ["all_failed", "zero_variance", *dropped]}
     metrics["filter/kept_frac"] = len(kept) / total

@@ -1,4 +1,4 @@
-"""The RL lifecycle loop: Generate -> Score -> Filter -> Control -> Train -> Sync.
+"""The RL lifecycle loop: Generate -> Score -> Filter -> Control -> Replay -> Train -> Sync.
 
 Read `rl_step` top to bottom to see one step; `train` wraps it with evaluation, checkpoints,
 metrics and the console view.
@@ -15,13 +15,11 @@ from pathlib import Path
 import torch
 
 from rollwise import algo
-from rollwise.config import GROUP_ADVANTAGES, Config
+from rollwise.config import Config
 from rollwise.evaluate import evaluate
-from rollwise.filter import filter_groups
+from rollwise.control import StepBatch, staleness_metrics
 from rollwise.metrics import ConsoleView, print_summary, write_report
 from rollwise.perf import step_perf
-from rollwise.rewards import score_samples
-from rollwise.rollout import generate_groups, sampling_params
 from rollwise.session import Run, open_run, save_run
 from rollwise.sync import sync_weights
 from rollwise.types import Group, Sample
@@ -82,55 +80,55 @@ def assign_advantages(groups: list[Group], cfg: Config, trainer=None) -> tuple[l
     return samples, metrics
 
 
-def rl_step(run: Run) -> tuple[dict[str, float], list[Group]]:
-    """One RL step. Returns its metrics row and the groups it generated."""
+def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
+    """One RL step. Returns its metrics row and its batch (groups generated, samples trained)."""
     cfg, timer = run.cfg, StageTimer()
     step_start = time.perf_counter()
-    run.engine.stats.reset()
-    with timer("rollout"):  # Generate
-        prompts = run.next_prompts(cfg.rollout.prompts_per_step)
-        groups = generate_groups(run.engine, prompts, cfg.rollout.samples_per_prompt,
-                                 sampling_params(cfg.rollout), first_group_id=run.step * len(prompts))
-    all_samples = [s for g in groups for s in g.samples]
-    with timer("reward"):  # Score
-        reward_metrics = score_samples(all_samples, run.reward_fn)
-    with timer("filter"):  # Filter (+ Control: the batch is the kept groups)
-        # zero reward variance empties a group-relative advantage; a critic's baseline still learns from it
-        group_relative = cfg.algo.advantage in GROUP_ADVANTAGES
-        filters = ["all_failed"] + (["zero_variance"] if cfg.algo.filter_zero_variance and group_relative else [])
-        kept, filter_metrics = filter_groups(groups, filters)
-        samples, shaping_metrics = assign_advantages(kept, cfg, run.trainer)
+    version = run.step  # the policy version the trainer holds; the engines have it too (synced last step)
+    run.rollouts.stats.reset()
+    # Generate -> Score -> Filter -> Control: rounds of generation until the batch is full (control.py)
+    batch = run.controller.collect(run.step, version, timer)
+    with timer("filter"):
+        samples, shaping_metrics = assign_advantages(batch.groups, cfg, run.trainer)
+    with timer("replay"):  # Replay: mix stored samples in, then store this batch's
+        replayed = run.replay.draw(version, groups_dropped=int(batch.metrics["control/batch_short"]))
+        run.replay.add(batch.groups, version)
+    trained = batch.trained = samples + replayed
     train_metrics: dict[str, float] = {}
     with timer("train"):  # Train
-        if samples:
-            train_metrics = run.trainer.step(samples)
+        if trained:
+            train_metrics = run.trainer.step(trained)
         else:
             run.trainer.skip_step()  # nothing to learn from: the schedule still advances
     with timer("sync"):  # Sync weights
-        sync_weights(run.model, [run.engine], version=run.step + 1)
+        run.rollouts.push_weights(run.model, version + 1)
     run.step += 1
-    row = {"step": run.step, "kind": "train", **dict.fromkeys(TRAIN_KEYS), **reward_metrics, **filter_metrics,
-           **shaping_metrics, **train_metrics}
-    row.update(rollout_metrics(all_samples, timer.seconds["rollout"]))
+    row = {"step": run.step, "kind": "train", **dict.fromkeys(TRAIN_KEYS), **batch.metrics, **shaping_metrics,
+           **train_metrics, **run.replay.metrics(), **staleness_metrics(trained, version)}
+    row["replay/replayed_frac"] = len(replayed) / max(1, len(trained))
+    row.update(rollout_metrics(batch.scored, run.rollouts.stats.generated_tokens, batch.generate_s))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
-    row.update(step_perf(run.flops, run.peak_gflops, run.engine.stats, all_samples, samples, timer.seconds,
+    row.update(step_perf(run.flops, run.peak_gflops, run.rollouts.stats, batch.scored, trained, timer.seconds,
                          train_passes=cfg.train.ppo_epochs, reference=cfg.algo.kl_coef > 0))
     row.update(run.encoder.metrics())
     row["perf/elapsed_s"] = time.time() - run.started_at
     run.totals["tokens_generated"] += row["rollout/tokens"]
     run.totals["tokens_trained"] += row.get("train/tokens", 0.0)
-    return row, groups
+    run.totals["steps_s"] = run.totals.get("steps_s", 0.0) + row["perf/step_s"]
+    return row, batch
 
 
-def rollout_metrics(samples: list[Sample], rollout_s: float) -> dict[str, float]:
+def rollout_metrics(samples: list[Sample], generated_tokens: int, generate_s: float) -> dict[str, float]:
+    """Lengths of the responses completed this step; tokens sampled this step (partial responses included)
+    and their rate over the engine's generation time."""
     lengths = [len(s.response_ids) for s in samples]
     n = max(1, len(samples))
     return {
         "rollout/response_len_mean": sum(lengths) / n,
         "rollout/response_len_max": float(max(lengths, default=0)),
         "rollout/truncated_frac": sum(s.status.value == "truncated" for s in samples) / n,
-        "rollout/tokens": float(sum(lengths)),
-        "perf/rollout_tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
+        "rollout/tokens": float(generated_tokens),
+        "perf/rollout_tokens_per_s": generated_tokens / max(generate_s, 1e-9),
     }
 
 
@@ -149,6 +147,8 @@ def perf_metrics(row: dict[str, float], timer: StageTimer, step_s: float) -> dic
 def run_eval(run: Run) -> dict[str, float]:
     cfg = run.cfg
     start = time.perf_counter()
+    if run.engine.version != run.step:  # async mode: the local engine only evaluates; bring it up to date
+        sync_weights(run.model, [run.engine], version=run.step)
     metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, cfg.eval.temperature,
                        cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy)
     row = {"step": run.step, "kind": "eval", **metrics, "perf/time/eval_s": time.perf_counter() - start}
@@ -156,24 +156,33 @@ def run_eval(run: Run) -> dict[str, float]:
     return row
 
 
-def log_samples(run: Run, groups: list[Group]) -> None:
+def log_samples(run: Run, samples: list[Sample]) -> None:
     """Write a subset of this step's prompts, responses and rewards to `samples/step-N.jsonl`."""
     n = run.cfg.run.samples_logged_per_step
     if n <= 0:
         return
     out = run.run_dir / "samples" / f"step-{run.step}.jsonl"
     out.parent.mkdir(exist_ok=True)
-    picked = [s for g in groups for s in g.samples][:: max(1, run.cfg.rollout.samples_per_prompt // 2)][:n]
+    picked = samples[:: max(1, run.cfg.rollout.samples_per_prompt // 2)][:n]
     with out.open("w") as f:
         for s in picked:
             f.write(json.dumps({"prompt": s.prompt.messages[-1]["content"], "answer": s.prompt.answer,
                                 "response": s.response_text, "reward": s.reward, "status": s.status.value,
-                                "error": s.reward_error}) + "\n")
+                                "error": s.reward_error, "advantage": s.advantage,
+                                "policy_versions": sorted({v for _, _, v in s.version_spans}),
+                                "replayed": bool(s.info.get("replayed"))}) + "\n")
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     """Run (or resume) training to `train.steps`; returns the summary printed at the end."""
     run = open_run(cfg, run_dir, resume)
+    try:
+        return _train(run, cfg, run_dir)
+    finally:
+        run.rollouts.close()  # stops the generation process (async mode), also on errors and Ctrl-C
+
+
+def _train(run: Run, cfg: Config, run_dir: Path) -> dict:
     print(f"rollwise: run {run_dir} | model {cfg.model.name} | task {cfg.data.path or cfg.data.task} | "
           f"step {run.step}/{cfg.train.steps}", flush=True)
     first_eval = None
@@ -184,14 +193,17 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
         if first_eval:
             view.eval(first_eval)
         while run.step < cfg.train.steps:
-            row, groups = rl_step(run)
+            row, batch = rl_step(run)
             run.writer.write(row)
-            log_samples(run, groups)
+            log_samples(run, batch.trained)
             view.update(run.step, row)
             if cfg.eval.every_steps and run.step % cfg.eval.every_steps == 0 and run.step < cfg.train.steps:
                 view.eval(run_eval(run))
             if cfg.run.save_every_steps and run.step % cfg.run.save_every_steps == 0:
                 save_run(run)
+            if cfg.train.max_time_s and run.totals["steps_s"] >= cfg.train.max_time_s:
+                print(f"rollwise: train.max_time_s={cfg.train.max_time_s:g} reached after step {run.step}", flush=True)
+                break
     last_eval = run_eval(run) if cfg.eval.n > 0 else None
     save_run(run)
     return finish(run, first_eval, last_eval)

@@ -17,13 +17,16 @@ import numpy as np
 import torch
 
 from rollwise.config import Config, to_toml
+from rollwise.control import Controller
 from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
 from rollwise.generate import TorchEngine
-from rollwise.hardware import bf16_is_native, configure_allocator, configure_threads
+from rollwise.hardware import bf16_is_native, configure_allocator, configure_threads, physical_cores
 from rollwise.metrics import MetricsWriter, truncate_after
 from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter, matmul_peak_gflops
+from rollwise.replay import ReplayBuffer
 from rollwise.rewards import build_reward_fn
+from rollwise.rollout import LocalRollouts, ProcessRollouts
 from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from rollwise.train.trainer import Trainer
 from rollwise.types import Prompt
@@ -59,6 +62,9 @@ class Run:
     eval_prompts: list[tuple[Prompt, list[int]]] = field(default_factory=list)
     flops: FlopCounter | None = None
     peak_gflops: float = 1.0
+    rollouts: Any = None  # LocalRollouts (the engine above) or ProcessRollouts (control.mode = "async")
+    controller: Controller | None = None
+    replay: ReplayBuffer | None = None
 
     def next_prompts(self, n: int) -> list[tuple[Prompt, list[int]]]:
         """The next `n` training prompts that fit `max_prompt_tokens` (longer ones are skipped and counted)."""
@@ -89,7 +95,12 @@ def seed_everything(seed: int) -> None:
 def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     """Build the run's components; with `resume`, restore the newest complete checkpoint."""
     configure_allocator()
-    configure_threads(cfg.model.threads)
+    generation_threads = 0
+    if cfg.control.mode == "async":  # split the cores between the trainer and the generation process
+        generation_threads = cfg.control.generation_threads or max(1, physical_cores() // 2)
+        configure_threads(cfg.model.threads or max(1, physical_cores() - generation_threads))
+    else:
+        configure_threads(cfg.model.threads)
     seed_everything(cfg.train.seed)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
@@ -116,9 +127,26 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     run.eval_prompts = encode_eval_prompts(source, encoder, cfg.eval.n)
     run.flops = FlopCounter(model_info(model))
     run.peak_gflops = matmul_peak_gflops(torch.float32)  # measured once per machine, then cached
+    run.replay = ReplayBuffer(cfg.replay, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt,
+                              seed=cfg.train.seed)
     if state is not None:
         restore_state(run, state)
+    run.rollouts = LocalRollouts(engine)
+    if cfg.control.mode == "async":
+        run.rollouts = ProcessRollouts(start_generation_process(cfg, model, tokenizer, generation_threads, run.step))
+    run.controller = Controller(cfg, run.rollouts, run.next_prompts, reward_fn)
+    if state is not None and state.get("controller") is not None:
+        run.controller.load_state_dict(state["controller"])
     return run
+
+
+def start_generation_process(cfg: Config, model, tokenizer, threads: int, version: int):
+    """The async mode's generation process: its own engine, weights (`model`'s, as `version`) and threads."""
+    from rollwise.generate.process import GenerationProcess
+
+    return GenerationProcess(model, tokenizer, dtype=engine_dtype(cfg.model.dtype),
+                             max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed + 1, threads=threads,
+                             device=cfg.control.generation_device, version=version)
 
 
 def encode_eval_prompts(source: PromptSource, encoder: PromptEncoder, n: int) -> list[tuple[Prompt, list[int]]]:
@@ -145,6 +173,8 @@ def trainer_state(run: Run) -> dict[str, Any]:
             "engine": run.engine.generator.get_state(),
         },
         "engine_version": run.engine.version,
+        "controller": run.controller.state_dict(),
+        "replay": run.replay.state_dict(),
         "totals": dict(run.totals),
         "prompts_dropped": run.encoder.dropped,
         "elapsed_s": time.time() - run.started_at,
@@ -164,6 +194,8 @@ def restore_state(run: Run, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["rng"]["torch"])
     run.engine.generator.set_state(state["rng"]["engine"])
     run.engine.version = state["engine_version"]
+    if state.get("replay") is not None:
+        run.replay.load_state_dict(state["replay"])
     run.totals = dict(state["totals"])
     run.encoder.dropped = state.get("prompts_dropped", 0)
     run.started_at = time.time() - state.get("elapsed_s", 0.0)

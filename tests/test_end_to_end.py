@@ -70,8 +70,8 @@ def test_flaky_reward_errors_are_counted_and_excluded(tmp_path, tiny_model_dir, 
     total_errors = 0
     for _ in range(2):
         trained.clear()
-        row, groups = rl_step(run)
-        samples = [s for g in groups for s in g.samples]
+        row, batch = rl_step(run)
+        samples = [s for g in batch.generated for s in g.samples]
         failed = [s for s in samples if s.status == Status.FAILED]
         scored = [s for s in samples if s.status != Status.FAILED]
         # exactly the samples the plugin raises on failed, with the error recorded and no reward

@@ -75,9 +75,11 @@ def test_stop_string_and_abort():
         (stopped,) = engine.generate([GenerationRequest(1, prompt, SamplingParams(max_new_tokens=20, temperature=0, stop=(stop,)))])
         assert stopped.status == Status.COMPLETED
         assert stop not in stopped.text and len(stopped.response_ids) <= len(free.response_ids)
-    engine.abort([7])
-    (aborted,) = engine.generate([GenerationRequest(7, prompt, SamplingParams(max_new_tokens=20, temperature=1.0))])
-    assert aborted.status == Status.ABORTED and len(aborted.response_ids) == 1
+    engine.abort([7])  # aborted before it was admitted: returns at once, with the tokens it came with
+    (aborted,) = engine.generate([GenerationRequest(7, prompt, SamplingParams(max_new_tokens=20, temperature=1.0),
+                                                    response_ids=[5, 6], response_logprobs=[-1.0, -2.0])])
+    assert aborted.status == Status.ABORTED and aborted.response_ids == [5, 6] and aborted.logprobs == [-1.0, -2.0]
+    assert aborted.version_spans == []  # no token of this call
 
 
 def test_seeded_requests_repeat_exactly():

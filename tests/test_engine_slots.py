@@ -43,8 +43,11 @@ def test_aborted_request_continues_exactly_as_uninterrupted():
     params = SamplingParams(max_new_tokens=12, temperature=0)
     engine = TorchEngine(model, tok)
     (full,) = engine.generate([GenerationRequest(0, prompts[2], params)])
-    engine.abort([1])
-    (part,) = engine.generate([GenerationRequest(1, prompts[2], params)])
+    assert full.status == Status.TRUNCATED  # runs the whole budget: the abort below lands mid-response
+    short = SamplingParams(max_new_tokens=4, temperature=0)
+    # as partial rollouts do: when one request finishes, the callback aborts the other mid-generation
+    _, part = engine.generate([GenerationRequest(9, prompts[0], short), GenerationRequest(1, prompts[2], params)],
+                              on_finish=lambda result: engine.abort([1]) if result.request_id == 9 else None)
     assert part.status == Status.ABORTED and 0 < len(part.response_ids) < len(full.response_ids)
     engine.version = 1  # continued under a new policy version (same weights here)
     (rest,) = engine.generate([GenerationRequest(1, prompts[2], params, part.response_ids, part.logprobs)])

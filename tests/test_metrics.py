@@ -45,6 +45,13 @@ def train_row(step: int) -> dict:
         "perf/time/reward_s": 0.1,
         "perf/time/train_s": 4.0,
         "perf/step_s": 12.1,
+        "control/off_policy_token_frac": 0.3,
+        "control/staleness_mean": 0.3,
+        "control/staleness_max": 1.0,
+        "replay/replayed_frac": 0.1,
+        "control/sampling_rounds": 1.0 + step % 2,
+        "filter/zero_variance_frac": 0.25,
+        "control/groups_carried": 2.0,
     }
 
 

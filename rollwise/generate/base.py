@@ -17,8 +17,9 @@ class Engine(Protocol):
 
     version: int
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Run the requests to completion (or abort); results in request order."""
+    def generate(self, requests: list[GenerationRequest], on_finish=None) -> list[GenerationResult]:
+        """Run the requests to completion (or abort); results in request order. `on_finish(result)`, when
+        given, is called as each request finishes and may call `abort` on the others."""
         ...
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

@@ -105,10 +105,15 @@ class TorchEngine:
         with self._lock:
             self._aborted.update(request_ids)
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerationRequest], on_finish=None) -> list[GenerationResult]:
         """Run every request to completion (or abort) in one continuous batch; requests may carry different
-        sampling params (each params value draws from its own generator when seeded)."""
-        results: dict[int, GenerationResult] = {}
+        sampling params (each params value draws from its own generator when seeded).
+
+        `on_finish(result)` is called as each request finishes, between decode steps; it may call `abort`
+        (partial rollouts stop the rest of the batch that way). A request aborted before it was admitted
+        returns at once with the tokens it came with.
+        """
+        results = _Results(on_finish)
         if requests:
             self._run(requests, results)
         with self._lock:
@@ -149,6 +154,8 @@ class TorchEngine:
             seq.start_len = len(seq.ids)
             if seq.start_len >= seq.req.params.max_new_tokens:
                 seq.status = Status.TRUNCATED
+            elif seq.req.request_id in self._aborted:
+                seq.status = Status.ABORTED
         todo = [s for s in admitted if s.status is None]
         for s in admitted:
             if s.status is not None:
@@ -266,6 +273,19 @@ class TorchEngine:
         if seq.status == Status.COMPLETED and seq.req.params.stop:
             text = _cut_at_stop(text, seq.req.params.stop)
         return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text)
+
+
+class _Results(dict):
+    """request id -> result, calling `on_finish(result)` as each one is stored."""
+
+    def __init__(self, on_finish=None):
+        super().__init__()
+        self.on_finish = on_finish
+
+    def __setitem__(self, request_id: int, result: GenerationResult) -> None:
+        super().__setitem__(request_id, result)
+        if self.on_finish is not None:
+            self.on_finish(result)
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: dict) -> tuple[list, list]:

@@ -1,7 +1,7 @@
 """Self-contained HTML run report (`report.html`) built from `metrics.jsonl`: inline SVG plots, no scripts.
 
 Plots over `step`: reward, accuracy (train line plus eval markers), response length, KL, entropy, logprob
-mismatch, throughput, and the time split per stage (every `perf/time/<stage>_s` key, stacked). Tables: first
+mismatch, throughput, off-policy token share and staleness, batch control (rounds, drops, carry-over), and the time split per stage (every `perf/time/<stage>_s` key, stacked). Tables: first
 and last eval, total time per stage. The resolved `config.toml`, when present, is shown verbatim.
 """
 
@@ -19,7 +19,7 @@ from rollwise.metrics.sinks import METRICS_FILE, read_metrics, row_kind
 
 REPORT_FILE = "report.html"
 TIME_KEY = re.compile(r"^perf/time/(.+)_s$")
-STAGE_ORDER = ["rollout", "reward", "filter", "reference", "train", "optimizer", "sync", "eval", "checkpoint", "other"]
+STAGE_ORDER = ["rollout", "reward", "filter", "replay", "reference", "train", "optimizer", "sync", "eval", "checkpoint", "other"]
 
 
 class ReportError(ValueError):
@@ -57,6 +57,22 @@ PLOTS = (
         log_y="auto",
     ),
     PlotSpec("Throughput", "tokens per second", ("perf/rollout_tokens_per_s", "perf/train_tokens_per_s")),
+    PlotSpec(
+        "Off-policy tokens",
+        "share of trained tokens sampled by an older policy, and replayed samples",
+        ("control/off_policy_token_frac", "replay/replayed_frac"),
+        y_range=(0.0, 1.0),
+    ),
+    PlotSpec(
+        "Staleness",
+        "policy versions between a trained token and the trainer (token mean and max)",
+        ("control/staleness_mean", "control/staleness_max"),
+    ),
+    PlotSpec(
+        "Batch control",
+        "generation rounds, groups dropped by filters, groups carried to the next step",
+        ("control/sampling_rounds", "filter/zero_variance_frac", "control/groups_carried"),
+    ),
 )
 TIME_TITLE = "Time split"
 

@@ -10,6 +10,7 @@ from rollwise.rewards.scoring import (
     RewardTimeout,
     build_reward_fn,
     get_reward_fn,
+    reward_metrics,
     score_sample,
     score_samples,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "final_integer",
     "final_number",
     "get_reward_fn",
+    "reward_metrics",
     "score_sample",
     "score_samples",
 ]

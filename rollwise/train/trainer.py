@@ -8,6 +8,7 @@ One `Trainer.step(samples)` = `ppo_epochs` passes over the batch, each split int
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from contextlib import nullcontext
 
@@ -161,7 +162,7 @@ class Trainer:
     def skip_step(self) -> None:
         """Advance the lr schedule on a step without an update (every group was filtered out)."""
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
 
     def _backward(self, mb: MicroBatch, norms: dict, old_logp, ref_logp, acc: "_Accumulator", measure: bool,

@@ -1,0 +1,142 @@
+"""Rollout lifecycle control on the embedded model: partial rollouts, dynamic sampling, replay, async mode.
+
+Each variant runs in its own `rollwise train` process, one after another (never two at once: they would share
+the two cores), from the same recipe with the same seed. Writes every variant's summary and per-step curves
+to JSON and prints Markdown tables.
+
+    python benchmarks/lifecycle.py partial [--steps 30]       # long-tail lengths: sync vs partial rollouts
+    python benchmarks/lifecycle.py batch [--time-s 150]       # GRPO vs dynamic sampling vs replay, equal wall time
+    python benchmarks/lifecycle.py async [--steps 12]         # sync vs async generation on this machine
+
+`partial`: two-digit `+ - *` problems answered step by step, `max_new_tokens = 256` (some answers run to the
+limit), 4 prompts x 8 samples per step; both variants use `tis_token` so the only difference is the control.
+`batch`: the quickstart recipe, stopped by `train.max_time_s`, then evaluated on 200 held-out prompts.
+`async`: the quickstart recipe with `tis_token`, `control.mode` sync vs async (`max_staleness = 1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "quickstart.toml")
+QUIET = ["run.save_every_steps=0", "run.console=false", "run.report=false", "run.samples_logged_per_step=0"]
+CORRECTED = ["algo.is_correction=\"tis_token\""]
+
+LONG_TAIL = [
+    "data.digits=2", 'data.ops=["+", "-", "*"]', "rollout.max_new_tokens=256", "rollout.prompts_per_step=4",
+    'data.system_prompt="Solve the arithmetic problem step by step. End your reply with: The answer is N."',
+    "eval.n=0", "eval.every_steps=0", *CORRECTED,
+]
+SUITES = {
+    "partial": {
+        "sync": LONG_TAIL,
+        "partial": [*LONG_TAIL, "control.partial_rollouts=true", "control.over_provision=1.5"],
+    },
+    "batch": {
+        "grpo": [],
+        "dynamic": ["control.dynamic_sampling=true", "control.max_sampling_rounds=3"],
+        "hard_case": ["replay.kind=\"hard_case\"", "replay.mix_ratio=0.25", *CORRECTED],
+        "ssr": ["replay.kind=\"ssr\"", "replay.mix_ratio=0.5", *CORRECTED],
+    },
+    "async": {
+        "sync": [*CORRECTED],
+        "async": [*CORRECTED, "control.mode=\"async\"", "control.max_staleness=1"],
+    },
+}
+
+
+def run_variant(name: str, overrides: list[str], run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "rollwise.cli", "train", RECIPE, "--run-dir", str(run_dir), *QUIET, *overrides]
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall_s = time.perf_counter() - start
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    trains = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    tokens = sum(r["rollout/tokens"] for r in trains)
+    out = {
+        "variant": name, "overrides": overrides, "steps": len(trains), "wall_s": round(wall_s, 1),
+        "step_s_mean": statistics.fmean(r["perf/step_s"] for r in trains),
+        "rollout_s_mean": statistics.fmean(r["perf/rollout_s"] for r in trains),
+        "train_s_mean": statistics.fmean(r["perf/train_s"] for r in trains),
+        "rollout_tokens_per_s": tokens / max(1e-9, sum(r["perf/rollout_s"] for r in trains)),
+        "reward_curve": [r.get("reward/mean") for r in trains],
+        "response_len_curve": [r.get("rollout/response_len_mean") for r in trains],
+        "off_policy_token_frac_mean": statistics.fmean(r.get("control/off_policy_token_frac", 0.0) for r in trains),
+        "staleness_max": max((r.get("control/staleness_max", 0.0) for r in trains), default=0.0),
+        "peak_rss_gb": max(r["perf/peak_rss_gb"] for r in trains),
+    }
+    if evals:
+        out["sampled_before"] = evals[0]["eval/sampled_accuracy"]
+        out["sampled_after"] = evals[-1]["eval/sampled_accuracy"]
+        out["greedy_after"] = evals[-1].get("eval/greedy_accuracy")
+    return out
+
+
+def windows(curve: list[float | None], size: int = 5) -> list[str]:
+    """Mean ± standard error of each window of `size` steps."""
+    out = []
+    for start in range(0, len(curve), size):
+        part = [v for v in curve[start : start + size] if v is not None]
+        if len(part) > 1:
+            out.append(f"{statistics.fmean(part):.3f} ± {statistics.stdev(part) / len(part) ** 0.5:.3f}")
+        elif part:
+            out.append(f"{part[0]:.3f}")
+    return out
+
+
+def print_tables(suite: str, rows: list[dict]) -> None:
+    base = rows[0]
+    print(f"\n| {suite} variant | steps | mean step s | rollout tok/s | vs {base['variant']} (tok/s, step time) |"
+          " off-policy tokens | max staleness | sampled acc after | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        speed = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
+        step = 1 - r["step_s_mean"] / base["step_s_mean"]
+        acc = f"{r['sampled_before']:.3f} -> {r['sampled_after']:.3f}" if "sampled_after" in r else "-"
+        print(f"| {r['variant']} | {r['steps']} | {r['step_s_mean']:.1f} | {r['rollout_tokens_per_s']:.0f} | "
+              f"{speed:.2f}x, {100 * step:+.0f}% shorter | {r['off_policy_token_frac_mean']:.2f} | "
+              f"{r['staleness_max']:.0f} | {acc} | {r['peak_rss_gb']:.2f} |")
+    print("\nreward/mean per 5-step window (mean ± s.e.):")
+    for r in rows:
+        print(f"- {r['variant']}: {' | '.join(windows(r['reward_curve']))}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("suite", choices=list(SUITES))
+    parser.add_argument("--steps", type=int, default=None, help="partial: 30, async: 12")
+    parser.add_argument("--time-s", type=float, default=150.0, help="batch: train.max_time_s of each variant")
+    parser.add_argument("--eval-n", type=int, default=200, help="batch, async: held-out prompts")
+    parser.add_argument("--variants", default=None, help="comma-separated subset")
+    parser.add_argument("--runs-dir", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    suite = SUITES[args.suite]
+    runs_dir = Path(args.runs_dir or time.strftime(f"runs/bench-{args.suite}-%Y%m%d-%H%M%S"))
+    common = []
+    if args.suite == "partial":
+        common = [f"train.steps={args.steps or 30}"]
+    elif args.suite == "batch":
+        common = ["train.steps=1000", f"train.max_time_s={args.time_s}", f"eval.n={args.eval_n}", "eval.every_steps=0"]
+    else:
+        common = [f"train.steps={args.steps or 12}", f"eval.n={args.eval_n}", "eval.every_steps=0"]
+    rows = []
+    for name in (args.variants.split(",") if args.variants else list(suite)):
+        rows.append(run_variant(name, [*suite[name], *common], runs_dir / name))
+        print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("curve")}), flush=True)
+    print_tables(args.suite, rows)
+    out = Path(args.out or REPO / "benchmarks" / "results" / f"lifecycle_{args.suite}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
