@@ -7,9 +7,10 @@ to JSON and prints Markdown tables.
     python benchmarks/lifecycle.py partial [--steps 30]       # long-tail lengths: sync vs partial rollouts
     python benchmarks/lifecycle.py batch [--time-s 150]       # GRPO vs dynamic sampling vs replay, equal wall time
     python benchmarks/lifecycle.py async [--steps 12]         # sync vs async generation on this machine
+    python benchmarks/lifecycle.py report A.json B.json [--out chart.svg]   # tables and reward chart, merged
 
-`partial`: two-digit `+ - *` problems answered step by step, `max_new_tokens = 256` (some answers run to the
-limit), 4 prompts x 8 samples per step; both variants use `tis_token` so the only difference is the control.
+`partial`: the quickstart's one-digit problems answered "step by step", `max_new_tokens = 256`: most answers
+take 5-60 tokens, about one in ten runs to the limit; 4 prompts x 8 samples per step; both variants use `tis_token` so the only difference is the control.
 `batch`: the quickstart recipe, stopped by `train.max_time_s`, then evaluated on 200 held-out prompts.
 `async`: the quickstart recipe with `tis_token`, `control.mode` sync vs async (`max_staleness = 1`).
 """
@@ -30,7 +31,7 @@ QUIET = ["run.save_every_steps=0", "run.console=false", "run.report=false", "run
 CORRECTED = ["algo.is_correction=\"tis_token\""]
 
 LONG_TAIL = [
-    "data.digits=2", 'data.ops=["+", "-", "*"]', "rollout.max_new_tokens=256", "rollout.prompts_per_step=4",
+    "rollout.max_new_tokens=256", "rollout.prompts_per_step=4",
     'data.system_prompt="Solve the arithmetic problem step by step. End your reply with: The answer is N."',
     "eval.n=0", "eval.every_steps=0", *CORRECTED,
 ]
@@ -38,6 +39,7 @@ SUITES = {
     "partial": {
         "sync": LONG_TAIL,
         "partial": [*LONG_TAIL, "control.partial_rollouts=true", "control.over_provision=1.5"],
+        "partial_2x": [*LONG_TAIL, "control.partial_rollouts=true", "control.over_provision=2.0"],
     },
     "batch": {
         "grpo": [],
@@ -67,6 +69,9 @@ def run_variant(name: str, overrides: list[str], run_dir: Path) -> dict:
         "rollout_s_mean": statistics.fmean(r["perf/rollout_s"] for r in trains),
         "train_s_mean": statistics.fmean(r["perf/train_s"] for r in trains),
         "rollout_tokens_per_s": tokens / max(1e-9, sum(r["perf/rollout_s"] for r in trains)),
+        # the engine's own generation time (async: in the generation process, overlapping training)
+        "generate_tokens_per_s": tokens / max(1e-9, sum(r["rollout/tokens"] / max(r["perf/rollout_tokens_per_s"], 1e-9)
+                                                       for r in trains)),
         "reward_curve": [r.get("reward/mean") for r in trains],
         "response_len_curve": [r.get("rollout/response_len_mean") for r in trains],
         "off_policy_token_frac_mean": statistics.fmean(r.get("control/off_policy_token_frac", 0.0) for r in trains),
@@ -92,18 +97,40 @@ def windows(curve: list[float | None], size: int = 5) -> list[str]:
     return out
 
 
+def seed_of(row: dict) -> int:
+    return next((int(o.split("=")[1]) for o in row["overrides"] if o.startswith("train.seed=")), 0)
+
+
 def print_tables(suite: str, rows: list[dict]) -> None:
-    base = rows[0]
-    print(f"\n| {suite} variant | steps | mean step s | rollout tok/s | vs {base['variant']} (tok/s, step time) |"
-          " off-policy tokens | max staleness | sampled acc after | peak RSS GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    """Per run: speed against the first run of the same seed; then per variant over seeds; reward windows."""
+    bases: dict[int, dict] = {}
     for r in rows:
+        bases.setdefault(seed_of(r), r)
+    print(f"\n| {suite} variant | steps | mean step s | mean rollout wait s | rollout tok/s | engine tok/s | vs the "
+          "seed's first variant (tok/s, step time) | off-policy tokens | max staleness | sampled acc after | "
+          "peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = bases[seed_of(r)]
         speed = r["rollout_tokens_per_s"] / base["rollout_tokens_per_s"]
         step = 1 - r["step_s_mean"] / base["step_s_mean"]
         acc = f"{r['sampled_before']:.3f} -> {r['sampled_after']:.3f}" if "sampled_after" in r else "-"
-        print(f"| {r['variant']} | {r['steps']} | {r['step_s_mean']:.1f} | {r['rollout_tokens_per_s']:.0f} | "
+        engine = r.get("generate_tokens_per_s")
+        print(f"| {r['variant']} | {r['steps']} | {r['step_s_mean']:.1f} | {r['rollout_s_mean']:.1f} | "
+              f"{r['rollout_tokens_per_s']:.0f} | {'-' if engine is None else f'{engine:.0f}'} | "
               f"{speed:.2f}x, {100 * step:+.0f}% shorter | {r['off_policy_token_frac_mean']:.2f} | "
               f"{r['staleness_max']:.0f} | {acc} | {r['peak_rss_gb']:.2f} |")
+    by_variant: dict[str, list[dict]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"].split(" (seed")[0], []).append(r)
+    if any(len(v) > 1 for v in by_variant.values()):
+        print("\n| variant | seeds | steps (mean) | mean step s | sampled acc after (mean of seeds) |")
+        print("|---|---|---|---|---|")
+        for name, group in by_variant.items():
+            accs = [r["sampled_after"] for r in group if "sampled_after" in r]
+            acc = f"{statistics.fmean(accs):.3f} ({', '.join(f'{a:.3f}' for a in accs)})" if accs else "-"
+            print(f"| {name} | {len(group)} | {statistics.fmean(r['steps'] for r in group):.1f} | "
+                  f"{statistics.fmean(r['step_s_mean'] for r in group):.1f} | {acc} |")
     print("\nreward/mean per 5-step window (mean ± s.e.):")
     for r in rows:
         print(f"- {r['variant']}: {' | '.join(windows(r['reward_curve']))}")
@@ -111,14 +138,22 @@ def print_tables(suite: str, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("suite", choices=list(SUITES))
+    parser.add_argument("suite", choices=[*SUITES, "report"], help="report: tables and reward chart of saved JSON")
+    parser.add_argument("files", nargs="*", help="report: result JSON files of earlier invocations")
     parser.add_argument("--steps", type=int, default=None, help="partial: 30, async: 12")
     parser.add_argument("--time-s", type=float, default=150.0, help="batch: train.max_time_s of each variant")
     parser.add_argument("--eval-n", type=int, default=200, help="batch, async: held-out prompts")
     parser.add_argument("--variants", default=None, help="comma-separated subset")
+    parser.add_argument("--seeds", default="0", help="comma-separated train.seed values; each variant runs once per seed")
     parser.add_argument("--runs-dir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.suite == "report":
+        rows = [row for f in args.files for row in json.loads(Path(f).read_text())]
+        print_tables("report", rows)
+        if args.out:
+            Path(args.out).write_text(reward_svg(rows))
+        return
     suite = SUITES[args.suite]
     runs_dir = Path(args.runs_dir or time.strftime(f"runs/bench-{args.suite}-%Y%m%d-%H%M%S"))
     common = []
@@ -129,13 +164,26 @@ def main() -> None:
     else:
         common = [f"train.steps={args.steps or 12}", f"eval.n={args.eval_n}", "eval.every_steps=0"]
     rows = []
-    for name in (args.variants.split(",") if args.variants else list(suite)):
-        rows.append(run_variant(name, [*suite[name], *common], runs_dir / name))
-        print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("curve")}), flush=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for seed in seeds:
+        for name in (args.variants.split(",") if args.variants else list(suite)):
+            label = name if len(seeds) == 1 else f"{name} (seed {seed})"
+            rows.append(run_variant(label, [*suite[name], *common, f"train.seed={seed}"],
+                                    runs_dir / f"{name}-seed{seed}"))
+            print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("curve")}), flush=True)
     print_tables(args.suite, rows)
     out = Path(args.out or REPO / "benchmarks" / "results" / f"lifecycle_{args.suite}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
+    out.with_suffix(".svg").write_text(reward_svg(rows))
+
+
+def reward_svg(rows: list[dict]) -> str:
+    """`reward/mean` per step of every variant, one chart (written next to the JSON)."""
+    from rollwise.metrics import svg
+
+    series = [svg.Series(r["variant"], list(range(1, len(r["reward_curve"]) + 1)), r["reward_curve"]) for r in rows]
+    return svg.line_plot("Reward per step", "reward/mean of each step's rollouts", series, y_range=(0.0, 1.0))
 
 
 if __name__ == "__main__":

@@ -132,8 +132,8 @@ class ControlConfig(Section):
         False, description="start over_provision x prompts_per_step groups, stop the rest once prompts_per_step "
         "are complete, and continue them next step (APRIL)")
     over_provision: float = Field(1.5, ge=1.0, description="partial rollouts: groups started per group needed")
-    max_staleness: int = Field(1, ge=0, description="async: the oldest policy version trained on is "
-                               "current - max_staleness")
+    max_staleness: int = Field(1, ge=0, description="the oldest policy version trained on is current - "
+                               "max_staleness (async mode; partial rollouts finish a response that old)")
     generation_threads: int = Field(0, ge=0, description="async: torch threads of the generation process; "
                                     "0 = half the physical cores (at least 1)")
     generation_device: str = Field("cpu", description="async: device of the generation process's engine")
@@ -205,6 +205,9 @@ class Config(Section):
         if sources and self.algo.is_correction == "none":
             raise ValueError(f"{sources[0]} trains on tokens sampled by older policies: set algo.is_correction "
                              "(e.g. 'tis_token') to correct them with their stored behaviour log-probs")
+        if control.partial_rollouts and control.max_staleness < 1:
+            raise ValueError("control.partial_rollouts continues responses under the next policy version: "
+                             "control.max_staleness must be at least 1")
         if control.mode == "async" and control.partial_rollouts:
             raise ValueError("control.partial_rollouts works with control.mode = 'sync' only (async mode already "
                              "overlaps the long tail with training)")

@@ -20,6 +20,7 @@ import random
 from dataclasses import dataclass
 
 from rollwise.config import ReplayConfig
+from rollwise.rollout import oldest_version
 from rollwise.types import Group, Sample
 
 
@@ -31,10 +32,6 @@ class Entry:
     version: int  # policy version of its oldest token
     priority: float
     uses: int = 0
-
-
-def oldest_version(samples: list[Sample], default: int) -> int:
-    return min((v for s in samples for _, _, v in s.version_spans), default=default)
 
 
 class ReplayBuffer:

@@ -3,8 +3,9 @@
 A `Group` is created with `PENDING` samples (no tokens yet). `run_groups` asks the engine for every sample
 that is not finished, continuing aborted ones from their tokens, and merges each result into its sample:
 tokens, behaviour log-probs and the `(start, end, policy_version)` span of the tokens this call added.
-With `stop_after_groups`, it aborts the rest of the batch once that many groups are complete (partial
-rollouts, APRIL): the aborted samples keep their tokens and continue in a later call.
+With a `StopRule`, it aborts the rest of the batch once that many groups are complete (partial rollouts,
+APRIL), except the groups the rule keeps running: the aborted samples keep their tokens and continue in a
+later call.
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ def merge_result(sample: Sample, result: GenerationResult, text: str | None = No
     sample.response_text = result.text if text is None else text
 
 
+def oldest_version(samples: list[Sample], default: int) -> int:
+    """Policy version of the oldest token among `samples` (`default` when none has a token)."""
+    return min((v for s in samples for _, _, v in s.version_spans), default=default)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Abort what is left once `after_groups` groups are complete, except the groups in `keep` (group ids),
+    which run to completion."""
+
+    after_groups: int
+    keep: frozenset[int] = frozenset()
+
+
 @dataclass
 class GenerateStats:
     """What one `run_groups` call did."""
@@ -79,9 +94,9 @@ def unfinished_requests(groups: list[Group], params: SamplingParams,
 
 
 def run_groups(engine: Engine, groups: list[Group], params: SamplingParams, ids: count,
-               stop_after_groups: int | None = None) -> GenerateStats:
-    """Generate every unfinished sample of `groups` (in place). With `stop_after_groups`, abort what is left
-    once that many of `groups` are complete; aborted samples keep their tokens (status ABORTED)."""
+               stop: StopRule | None = None) -> GenerateStats:
+    """Generate every unfinished sample of `groups` (in place). With `stop`, abort what is left once
+    `stop.after_groups` of `groups` are complete; aborted samples keep their tokens (status ABORTED)."""
     todo = unfinished_requests(groups, params, ids)
     stats = GenerateStats(requests=len(todo))
     if not todo:
@@ -99,9 +114,9 @@ def run_groups(engine: Engine, groups: list[Group], params: SamplingParams, ids:
         group = group_of[id(sample)]
         if is_complete(group):
             done.add(id(group))
-        if stop_after_groups is not None and not stopped and len(done) >= stop_after_groups:
+        if stop is not None and not stopped and len(done) >= stop.after_groups:
             stopped = True
-            engine.abort([r for r, s in sample_of.items() if s.status not in FINAL])
+            engine.abort([r for r, s in sample_of.items() if s.status not in FINAL and s.group_id not in stop.keep])
 
     engine.generate([req for req, _ in todo], on_finish=on_finish)
     stats.aborted = sum(s.status == Status.ABORTED for s in sample_of.values())
@@ -157,13 +172,13 @@ class LocalRollouts:
         self._jobs: dict[int, tuple] = {}
 
     def submit(self, job: int, groups: list[Group], params: SamplingParams, min_version: int = 0,
-               stop_after_groups: int | None = None) -> None:
-        self._jobs[job] = (groups, params, stop_after_groups)
+               stop: StopRule | None = None) -> None:
+        self._jobs[job] = (groups, params, stop)
 
     def wait(self, job: int) -> JobResult:
-        groups, params, stop_after = self._jobs.pop(job)
+        groups, params, stop = self._jobs.pop(job)
         start = time.perf_counter()
-        stats = run_groups(self.engine, groups, params, self._ids, stop_after)
+        stats = run_groups(self.engine, groups, params, self._ids, stop)
         return JobResult(self.engine.version, time.perf_counter() - start, stats)
 
     def push_weights(self, model, version: int) -> None:
@@ -189,8 +204,8 @@ class ProcessRollouts:
         self._finished: dict[int, object] = {}
 
     def submit(self, job: int, groups: list[Group], params: SamplingParams, min_version: int = 0,
-               stop_after_groups: int | None = None) -> None:
-        if stop_after_groups is not None:
+               stop: StopRule | None = None) -> None:
+        if stop is not None:
             raise ValueError("a generation process runs whole jobs: partial rollouts need control.mode = 'sync'")
         todo = unfinished_requests(groups, params, self._ids)
         self._jobs[job] = (groups, {req.request_id: s for req, s in todo})

@@ -13,7 +13,7 @@ from rollwise.config import ConfigError
 from rollwise.control import Controller, staleness_metrics
 from rollwise.generate import TorchEngine
 from rollwise.loop import StageTimer
-from rollwise.rollout import FINAL, LocalRollouts, is_complete, new_groups, run_groups
+from rollwise.rollout import FINAL, LocalRollouts, StopRule, is_complete, new_groups, run_groups
 from rollwise.types import Prompt, RewardResult, Sample, SamplingParams, Status
 
 
@@ -103,10 +103,15 @@ def test_partial_rollouts_carry_unfinished_responses_and_lose_nothing(tiny, tmp_
         "rollout.max_new_tokens": 40, "rollout.stop": ["e"]})
     seen: dict[int, Sample] = {}
     carried_any = continued = False
-    for step in range(4):
+    forced = 0
+    for step in range(6):
         engine.version = step  # a new policy version each step (weights unchanged: same tokens either way)
         batch = ctl.collect(step, step, StageTimer())
         assert len(batch.groups) == 2 and all(is_complete(g) for g in batch.groups)
+        # max_staleness = 1: a response is carried once at most, then finished
+        assert all(step - v <= 1 for g in batch.groups for s in g.samples for _, _, v in s.version_spans)
+        assert all(step - v <= 0 for g in ctl.carried for s in g.samples for _, _, v in s.version_spans)
+        forced += batch.metrics["control/groups_finished_for_staleness"]
         for g in batch.groups + ctl.carried + ctl.ready:
             for s in g.samples:
                 seen[id(s)] = s
@@ -116,7 +121,7 @@ def test_partial_rollouts_carry_unfinished_responses_and_lose_nothing(tiny, tmp_
                 assert starts == sorted(starts) and all(v <= step for _, _, v in s.version_spans)
         carried_any |= any(s.status == Status.ABORTED and s.response_ids for g in ctl.carried for s in g.samples)
         continued |= any(len(s.version_spans) > 1 for g in batch.groups for s in g.samples)
-    assert carried_any and continued
+    assert carried_any and continued and forced > 0
     # nothing generated is lost: every sampled token is in a sample we still hold
     assert engine.stats.generated_tokens == sum(len(s.response_ids) for s in seen.values())
 
@@ -132,7 +137,7 @@ def test_partial_continuation_equals_one_uninterrupted_run(tiny):
     engine = TorchEngine(model, tok)
     groups = new_groups(prompts, 1, 0)
     ids = count()
-    stats = run_groups(engine, groups, greedy, ids, stop_after_groups=1)
+    stats = run_groups(engine, groups, greedy, ids, StopRule(1))
     aborted = [g for g in groups if g.samples[0].status == Status.ABORTED]
     assert stats.aborted == len(aborted) and any(g.samples[0].response_ids for g in aborted)
     engine.version = 1
@@ -175,9 +180,45 @@ def test_staleness_metrics_hand_computed():
     ({"replay.kind": "hard_case", "algo.is_correction": "tis_token", "algo.advantage": "gae",
       "rollout.samples_per_prompt": 1}, "replays stored outcome advantages"),
     ({"control.over_provision": 0.5}, "control.over_provision"),
+    ({"control.partial_rollouts": True, "algo.is_correction": "tis_token", "control.max_staleness": 0},
+     "max_staleness must be at least 1"),
 ])
 def test_off_policy_sources_need_a_correction(tmp_path, override, needle):
     with pytest.raises(ConfigError, match=needle):
         tiny_config(tmp_path, **override)
     # async without staleness is on-policy: no correction needed
     tiny_config(tmp_path, **{"control.mode": "async", "control.max_staleness": 0})
+
+
+def test_loop_replays_hard_cases_into_later_batches(make_config, tmp_path):
+    import contextlib
+    import io
+
+    from conftest import read_rows
+    from rollwise.loop import train
+
+    cfg = make_config(**{"reward.fn": "toy_plugins:digit_fraction", "replay.kind": "hard_case",
+                         "replay.hard_reward_threshold": 2.0, "replay.mix_ratio": 0.5, "replay.max_age": 1,
+                         "algo.is_correction": "tis_token", "train.steps": 4, "run.samples_logged_per_step": 64})
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(cfg, tmp_path / "run")
+    rows = [r for r in read_rows(tmp_path / "run") if r["kind"] == "train"]
+    assert rows[0]["replay/replayed_entries"] == 0  # nothing stored before the first batch
+    later = rows[1:]
+    assert all(r["replay/replayed_entries"] == 2 for r in later)  # round(0.5 x 4) groups every later step
+    assert all(r["replay/replayed_frac"] == pytest.approx(8 / (8 + 4 * r["control/batch_groups"])) for r in later)
+    assert all(0 < r["control/off_policy_token_frac"] and r["control/staleness_max"] <= 1 for r in later)
+    logged = (tmp_path / "run" / "samples" / "step-3.jsonl").read_text()
+    assert '"replayed": true' in logged and '"policy_versions": [1]' in logged
+
+
+def test_max_time_s_stops_the_run_early(make_config, tmp_path):
+    import contextlib
+    import io
+
+    from rollwise.loop import train
+
+    cfg = make_config(**{"train.steps": 50, "train.max_time_s": 1e-6})
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        summary = train(cfg, tmp_path / "run")
+    assert summary["steps"] == 1 and "train.max_time_s" in out.getvalue()

@@ -44,6 +44,8 @@ class FusedDecoder:
     def supports(model) -> bool:
         """True when the model's architecture is one this decoder reproduces exactly."""
         cfg = model.config
+        if next(model.parameters()).device.type != "cpu":  # prepacked oneDNN weights: CPU only
+            return False
         if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES or cfg.hidden_act != "silu":
             return False
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):

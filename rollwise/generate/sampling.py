@@ -45,6 +45,7 @@ def sample_tokens(
     probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)  # [B, V]
     # inverse-CDF sampling: one uniform per row (cheaper than Gumbel noise over the whole vocabulary)
     cdf = torch.cumsum(probs, dim=-1)  # [B, V]
-    uniform = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float32) * cdf[:, -1:]
+    uniform = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float32, device=probs.device)
+    uniform = uniform * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, uniform, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)  # [B]
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()

@@ -22,10 +22,13 @@ class SlotCache:
     """Per layer: keys `[slots, kv_heads, head_dim, capacity]` and values `[slots, kv_heads, capacity, head_dim]`;
     per-slot lengths `[slots]`."""
 
-    def __init__(self, num_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
-        self.keys = [torch.zeros((slots, kv_heads, head_dim, capacity), dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros((slots, kv_heads, capacity, head_dim), dtype=dtype) for _ in range(num_layers)]
-        self.lengths = torch.zeros(slots, dtype=torch.long)  # valid columns per slot
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.keys = [torch.zeros((slots, kv_heads, head_dim, capacity), dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.values = [torch.zeros((slots, kv_heads, capacity, head_dim), dtype=dtype, device=device)
+                       for _ in range(num_layers)]
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # valid columns per slot
         self._read_full = dtype != torch.float32
         self._write_cols: torch.Tensor | None = None
         self._width = capacity
@@ -43,7 +46,8 @@ class SlotCache:
         """Write one new column per slot (key/value [slots, kv_heads, 1, head_dim]); return the cache
         up to the longest slot, [slots, kv_heads, width, head_dim]."""
         dtype = self.values[layer_idx].dtype
-        keys_t, values = self.write(layer_idx, torch.arange(self.slots), key_states[:, :, 0].to(dtype),
+        keys_t, values = self.write(layer_idx, torch.arange(self.slots, device=self.lengths.device),
+                                    key_states[:, :, 0].to(dtype),
                                     value_states[:, :, 0].to(dtype))
         return keys_t.transpose(-1, -2), values
 
@@ -58,9 +62,10 @@ class SlotCache:
 
     def attention_bias(self) -> torch.Tensor:
         """Additive mask of the current step, [slots, 1, 1, width] fp32: 0 on visible columns, -inf elsewhere."""
-        cols = torch.arange(self._width)[None, :]
+        cols = torch.arange(self._width, device=self.lengths.device)[None, :]
         visible = cols <= self._write_cols[:, None]
-        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
         return bias[:, None, None, :]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -71,7 +76,7 @@ class SlotCache:
         """Before a decode step: returns (positions [slots, 1], attention mask [slots, 1, 1, capacity] bool)."""
         self._write_cols = self.lengths.clamp(max=self.capacity - 1)
         self._width = self.capacity if self._read_full else int(self._write_cols.max()) + 1
-        cols = torch.arange(self._width)[None, :]  # [1, W]
+        cols = torch.arange(self._width, device=self.lengths.device)[None, :]  # [1, W]
         mask = cols <= self._write_cols[:, None]  # [slots, W]: own columns plus the one being written
         return self._write_cols[:, None], mask[:, None, None, :]
 

@@ -79,7 +79,8 @@ class TorchEngine:
         self.max_batch_size = max_batch_size
         self.prefill_tokens = prefill_tokens
         self.version = 0
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = next(self.model.parameters()).device  # the model's: CPU, or a GPU in a generation process
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.stats = EngineStats()
@@ -127,10 +128,11 @@ class TorchEngine:
         for r in reqs:
             if r.params not in generators:
                 seeded = r.params.seed is not None
-                generators[r.params] = torch.Generator().manual_seed(r.params.seed) if seeded else self.generator
+                generators[r.params] = (torch.Generator(device=self.device).manual_seed(r.params.seed) if seeded
+                                        else self.generator)
         capacity = max(len(r.prompt_ids) + max(len(r.response_ids), r.params.max_new_tokens) for r in reqs) + 1
         cache = SlotCache(self._layers, min(self.max_batch_size, len(reqs)), self._kv_heads, capacity,
-                          self._head_dim, self.dtype)
+                          self._head_dim, self.dtype, self.device)
         waiting = deque(reqs)
         slots: list[_Sequence | None] = [None] * cache.slots
         while waiting or any(slots):
@@ -142,7 +144,7 @@ class TorchEngine:
             if not active:
                 continue
             if not waiting and len(active) <= cache.slots // 2:  # long tail: stop computing empty slots
-                cache.keep(torch.tensor(active))
+                cache.keep(torch.tensor(active, device=self.device))
                 slots = [slots[i] for i in active]
                 active = list(range(len(slots)))
             self._decode_step(cache, slots, active, generators, results)
@@ -166,8 +168,8 @@ class TorchEngine:
         unique = list(dict.fromkeys(contexts))
         row_of = {c: i for i, c in enumerate(unique)}
         logits, layer_kv, lengths = self._prefill([list(c) for c in unique])  # [U, V]
-        rows = torch.tensor([row_of[c] for c in contexts], dtype=torch.long)  # [A]
-        slot_ids = torch.tensor(free[: len(todo)], dtype=torch.long)
+        rows = torch.tensor([row_of[c] for c in contexts], dtype=torch.long, device=self.device)  # [A]
+        slot_ids = torch.tensor(free[: len(todo)], dtype=torch.long, device=self.device)
         cache.load_prefill(slot_ids, layer_kv, rows, lengths[rows])
         tokens, logprobs = _sample_rows(logits[rows], [s.req.params for s in todo], generators)
         for seq, slot, tok, lp in zip(todo, slot_ids.tolist(), tokens, logprobs):
@@ -193,6 +195,7 @@ class TorchEngine:
             for row, c in enumerate(chunk):
                 ids[row, : len(c)] = torch.tensor(c)
                 attn[row, : len(c)] = 1
+            ids, attn = ids.to(self.device), attn.to(self.device)
             if self.fused is not None:
                 chunk_logits, chunk_kv = self.fused.prefill(ids, attn.sum(-1))
             else:
@@ -204,7 +207,7 @@ class TorchEngine:
             self.stats.computed_tokens += ids.numel()
             self.stats.prefill_tokens += int(attn.sum())
         layer_kv = [(torch.cat(keys[i]), torch.cat(values[i])) for i in range(self._layers)]
-        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long)
+        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=self.device)
         return torch.cat(logits), layer_kv, lengths
 
     def _model_prefill(self, ids: torch.Tensor, attn: torch.Tensor):
@@ -212,8 +215,9 @@ class TorchEngine:
         dyn = DynamicCache()
         width = ids.shape[1]
         hidden = self.model.get_decoder()(input_ids=ids, attention_mask=attn, cache=dyn, use_cache=True,
-                                          position_ids=torch.arange(width).expand(len(ids), -1)).last_hidden_state
-        last = hidden[torch.arange(len(ids)), attn.sum(-1) - 1]  # [u, H]
+                                          position_ids=torch.arange(width, device=ids.device).expand(len(ids), -1)
+                                          ).last_hidden_state
+        last = hidden[torch.arange(len(ids), device=ids.device), attn.sum(-1) - 1]  # [u, H]
         kv = [(dyn.layers[i].keys, dyn.layers[i].values) for i in range(self._layers)]
         return self.model.get_output_embeddings()(last), kv
 
@@ -223,8 +227,9 @@ class TorchEngine:
         for i in active:
             pending[i] = slots[i].pending
             is_active[i] = True
+        pending, is_active = pending.to(self.device), is_active.to(self.device)
         positions, mask = cache.begin_step()
-        idx = torch.tensor(active)
+        idx = torch.tensor(active, device=self.device)
         if self.fused is not None:
             logits = self.fused.step(pending, positions[:, 0], cache, idx)  # [A, V]
         else:
@@ -296,7 +301,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
     for row, p in enumerate(params):
         by_params.setdefault(p, []).append(row)
     for p, rows in by_params.items():
-        picked = logits if len(rows) == len(params) else logits[torch.tensor(rows)]
+        picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
         tok, lp = sample_tokens(picked.float(), p.temperature, p.top_k, p.top_p, generators[p])
         for row, t, l in zip(rows, tok.tolist(), lp.tolist()):
             tokens[row], logprobs[row] = t, l
