@@ -118,7 +118,8 @@ def print_tables(suite: str, rows: list[dict]) -> None:
         engine = r.get("generate_tokens_per_s")
         print(f"| {r['variant']} | {r['steps']} | {r['step_s_mean']:.1f} | {r['rollout_s_mean']:.1f} | "
               f"{r['rollout_tokens_per_s']:.0f} | {'-' if engine is None else f'{engine:.0f}'} | "
-              f"{speed:.2f}x, {100 * step:+.0f}% shorter | {r['off_policy_token_frac_mean']:.2f} | "
+              f"{speed:.2f}x, {100 * abs(step):.0f}% {'shorter' if step >= 0 else 'longer'} | "
+              f"{r['off_policy_token_frac_mean']:.2f} | "
               f"{r['staleness_max']:.0f} | {acc} | {r['peak_rss_gb']:.2f} |")
     by_variant: dict[str, list[dict]] = {}
     for r in rows:
