@@ -20,14 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark scripts
+from recipes import run_train  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "quickstart.toml")
-QUIET = ["run.save_every_steps=0", "run.console=false", "run.report=false", "run.samples_logged_per_step=0"]
+QUIET = ["run.samples_logged_per_step=0"]
 CORRECTED = ["algo.is_correction=\"tis_token\""]
 
 LONG_TAIL = [
@@ -55,13 +57,7 @@ SUITES = {
 
 
 def run_variant(name: str, overrides: list[str], run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "rollwise.cli", "train", RECIPE, "--run-dir", str(run_dir), *QUIET, *overrides]
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    wall_s = time.perf_counter() - start
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    trains = [r for r in rows if r["kind"] == "train"]
-    evals = [r for r in rows if r["kind"] == "eval"]
+    wall_s, trains, evals = run_train(RECIPE, run_dir, [*QUIET, *overrides])
     tokens = sum(r["rollout/tokens"] for r in trains)
     out = {
         "variant": name, "overrides": overrides, "steps": len(trains), "wall_s": round(wall_s, 1),

@@ -21,17 +21,21 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo", "sao"]
 
 
-def run_recipe(name: str, steps: int, eval_n: int, runs_dir: Path) -> dict:
-    run_dir = runs_dir / name
-    cmd = [sys.executable, "-m", "rollwise.cli", "train", str(REPO / "recipes" / f"{name}.toml"),
-           "--run-dir", str(run_dir), f"train.steps={steps}", f"eval.n={eval_n}", "eval.every_steps=0",
-           "run.save_every_steps=0", "run.console=false", "run.report=false"]
+def run_train(recipe: str, run_dir: Path, overrides: list[str]) -> tuple[float, list[dict], list[dict]]:
+    """`rollwise train RECIPE --run-dir RUN_DIR OVERRIDES...` in its own process (quiet: no console, report or
+    checkpoints before the end). Returns (wall seconds, training rows, eval rows) of its metrics.jsonl."""
+    cmd = [sys.executable, "-m", "rollwise.cli", "train", recipe, "--run-dir", str(run_dir), "run.save_every_steps=0",
+           "run.console=false", "run.report=false", *overrides]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     wall_s = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [r for r in rows if r["kind"] == "eval"]
-    trains = [r for r in rows if r["kind"] == "train"]
+    return wall_s, [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"]
+
+
+def run_recipe(name: str, steps: int, eval_n: int, runs_dir: Path) -> dict:
+    wall_s, trains, evals = run_train(str(REPO / "recipes" / f"{name}.toml"), runs_dir / name,
+                                      [f"train.steps={steps}", f"eval.n={eval_n}", "eval.every_steps=0"])
     return {
         "recipe": name, "steps": steps, "wall_s": round(wall_s, 1),
         "sampled_before": evals[0]["eval/sampled_accuracy"], "sampled_after": evals[-1]["eval/sampled_accuracy"],

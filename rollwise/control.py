@@ -39,6 +39,7 @@ class StepBatch:
     groups: list[Group]
     scored: list[Sample] = field(default_factory=list)  # scored without error, kept or not
     generated: list[Group] = field(default_factory=list)  # every group completed this step, kept or not
+    replayed: list[Sample] = field(default_factory=list)  # set by the loop: samples drawn from the replay buffer
     trained: list[Sample] = field(default_factory=list)  # set by the loop: fresh + replayed samples
     metrics: dict[str, float] = field(default_factory=dict)
     generate_s: float = 0.0

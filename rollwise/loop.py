@@ -93,6 +93,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     with timer("replay"):  # Replay: mix stored samples in, then store this batch's
         replayed = run.replay.draw(version, groups_dropped=int(batch.metrics["control/batch_short"]))
         run.replay.add(batch.groups, version)
+    batch.replayed = replayed
     trained = batch.trained = samples + replayed
     train_metrics: dict[str, float] = {}
     with timer("train"):  # Train
@@ -195,7 +196,8 @@ def _train(run: Run, cfg: Config, run_dir: Path) -> dict:
         while run.step < cfg.train.steps:
             row, batch = rl_step(run)
             run.writer.write(row)
-            log_samples(run, batch.trained)
+            # every response completed this step (failed ones too: their errors are logged), then the replayed
+            log_samples(run, [s for g in batch.generated for s in g.samples] + batch.replayed)
             view.update(run.step, row)
             if cfg.eval.every_steps and run.step % cfg.eval.every_steps == 0 and run.step < cfg.train.steps:
                 view.eval(run_eval(run))
