@@ -36,7 +36,11 @@ class DataConfig(Section):
     max_prompt_tokens: int = Field(256, gt=0)
     digits: int = Field(1, ge=1, le=6, description="arith: digits per operand")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
-    eval_size: int = Field(512, ge=1, description="size of the fixed held-out split")
+    eval_size: int = Field(512, ge=1, description="size of the fixed held-out split (at most a quarter of a "
+                           "file without data.eval_path; the chosen size is printed)")
+    split: Literal["prompt", "fact"] = Field(
+        "prompt", description="arith: 'prompt' holds out prompt texts (the same fact may be trained under another "
+        "phrasing); 'fact' holds out (a, b, op) facts never seen in training")
 
     @field_validator("ops")
     @classmethod
@@ -47,7 +51,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: str = "torch"
+    engine: Literal["torch"] = Field("torch", description="rollout engine: 'torch' (in-process, CPU or GPU)")
     prompts_per_step: int = Field(8, gt=0)
     samples_per_prompt: int = Field(8, gt=0)
     max_new_tokens: int = Field(64, gt=0)
@@ -57,10 +61,23 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list)
     max_batch_size: int = Field(64, gt=0, description="sequences decoded together")
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, stop: list[str]) -> list[str]:
+        if any(s == "" for s in stop):
+            raise ValueError("an empty stop string would end every response after one token; remove it")
+        return stop
+
 
 class RewardConfig(Section):
     fn: str | None = Field(None, description="reward name or 'pkg.mod:fn'; None = the task's verifier")
     format_weight: float = Field(0.0, description="weight of the format part (answer present)")
+    timeout_s: float = Field(20.0, gt=0.0, description="time limit of one reward call; a reward that runs over "
+                             "it is marked failed (rewards run in a worker process when reward.isolate)")
+    isolate: bool = Field(False, description="run the reward in a worker process that is killed at timeout_s "
+                          "(stops rewards that hang in C code)")
+    max_failed_steps: int = Field(2, ge=1, description="stop the run when every reward of this many steps in a "
+                                  "row failed")
 
 
 Options = dict[str, float | int | bool | str]
@@ -106,6 +123,8 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.99)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    max_nonfinite_steps: int = Field(3, ge=1, description="a NaN/Inf loss or gradient skips the optimizer step; "
+                                     "this many such RL steps in a row stop the run")
     ppo_epochs: int = Field(1, ge=1)
     minibatches_per_epoch: int = Field(1, ge=1)
     micro_batch_tokens: int = Field(1024, gt=0, description="token budget of one forward/backward")
@@ -157,7 +176,7 @@ class EvalConfig(Section):
     every_steps: int = Field(10, ge=0, description="0 = only at start and end")
     n: int = Field(256, ge=0)
     temperature: float = Field(0.7, ge=0.0)
-    max_new_tokens: int | None = Field(None, description="None = rollout.max_new_tokens")
+    max_new_tokens: int | None = Field(None, gt=0, description="None = rollout.max_new_tokens")
     greedy: bool = True
 
 
@@ -169,6 +188,8 @@ class RunConfig(Section):
     samples_logged_per_step: int = Field(8, ge=0)
     report: bool = True
     console: bool = True
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl"], description="metric sinks; metrics.jsonl is always written")
 
 
 class Config(Section):

@@ -43,6 +43,7 @@ class StepBatch:
     trained: list[Sample] = field(default_factory=list)  # set by the loop: fresh + replayed samples
     metrics: dict[str, float] = field(default_factory=dict)
     generate_s: float = 0.0
+    groups_short: int = 0  # groups the batch lacks after the filters (what `ssr` replay refills)
 
 
 class Controller:
@@ -108,6 +109,7 @@ class Controller:
         if control.mode == "async":
             self.prefetch(step + 1, version)
         self._trim(out, target, counts)
+        out.groups_short = max(0, target - len(out.groups))
         out.metrics = self._metrics(out, counts, target)
         return out
 
@@ -185,7 +187,7 @@ class Controller:
             "control/sampling_rounds": float(counts["rounds"]),
             "control/groups_generated": float(counts["groups_generated"]),
             "control/batch_groups": float(len(out.groups)),
-            "control/batch_short": float(max(0, target - len(out.groups))),
+            "control/batch_short": float(out.groups_short),
             "control/groups_surplus_dropped": float(counts["surplus_dropped"]),
             "control/groups_ready": float(len(self.ready)),
             "control/groups_carried": float(len(self.carried)),

@@ -70,7 +70,7 @@ def assign_advantages(groups: list[Group], cfg: Config, trainer=None) -> tuple[l
         rewards = rewards + penalty
         metrics["reward/kl_penalty_mean"] = float(penalty.mean())
     for s, r in zip(samples, rewards.tolist()):
-        s.info["train_reward"] = r
+        s.train_reward = r
     if algo.is_token_advantage(cfg.algo.advantage):
         return samples, metrics
     options = {"scale": cfg.algo.scale_rewards == "group"} if cfg.algo.advantage == "grpo" else {}
@@ -91,7 +91,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     with timer("filter"):
         samples, shaping_metrics = assign_advantages(batch.groups, cfg, run.trainer)
     with timer("replay"):  # Replay: mix stored samples in, then store this batch's
-        replayed = run.replay.draw(version, groups_dropped=int(batch.metrics["control/batch_short"]))
+        replayed = run.replay.draw(version, groups_dropped=batch.groups_short)
         run.replay.add(batch.groups, version)
     batch.replayed = replayed
     trained = batch.trained = samples + replayed
@@ -171,7 +171,7 @@ def log_samples(run: Run, samples: list[Sample]) -> None:
                                 "response": s.response_text, "reward": s.reward, "status": s.status.value,
                                 "error": s.reward_error, "advantage": s.advantage,
                                 "policy_versions": sorted({v for _, _, v in s.version_spans}),
-                                "replayed": bool(s.info.get("replayed"))}) + "\n")
+                                "replayed": s.replayed}) + "\n")
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:

@@ -76,7 +76,7 @@ class ReplayBuffer:
         for e in picked:
             e.uses += 1
             for s in e.samples:
-                s.info["replayed"] = True
+                s.replayed = True
         self.entries = [e for e in self.entries if e.uses < self.cfg.max_uses]
         self.counts["last_age_sum"] = sum(version - e.version for e in picked)
         self.counts["last_entries"] = len(picked)

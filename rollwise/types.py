@@ -111,7 +111,9 @@ class Sample:
     reward_error: str | None = None
     correct: bool | None = None
     advantage: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
+    train_reward: float | None = None  # reward after shaping and KL penalty (Filter stage); None = `reward`
+    replayed: bool = False  # drawn from the replay buffer into a later batch
+    info: dict[str, Any] = field(default_factory=dict)  # free-form extras of plugins; no stage reads it
 
     @property
     def num_tokens(self) -> int:

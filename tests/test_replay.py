@@ -38,7 +38,7 @@ def test_hard_case_replays_mix_ratio_times_prompts_per_step_groups_once():
     buf.add([group(g, [1, 0, 0, 0]) for g in range(5)], version=0)
     first = buf.draw(version=1)
     assert len(first) == 2 * 4  # round(0.5 * 4) groups of 4 samples
-    assert all(s.info["replayed"] for s in first)
+    assert all(s.replayed for s in first)
     second = buf.draw(version=1)
     assert len(second) == 2 * 4 and not {id(s) for s in first} & {id(s) for s in second}  # each used once
     assert len(buf.draw(version=1)) == 4  # one group left

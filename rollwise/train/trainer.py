@@ -153,7 +153,8 @@ class Trainer:
             with self._autocast():
                 hidden = response_hidden(self.model, mb)
             values = self.value_head(hidden, mb)  # [S, T], fp32 as in the training pass
-            rewards = torch.tensor([s.info.get("train_reward", s.reward) for s in mb.samples], dtype=torch.float32)
+            rewards = torch.tensor([s.reward if s.train_reward is None else s.train_reward for s in mb.samples],
+                                   dtype=torch.float32)
             mb.advantages, returns = algo.token_advantage(self.algo.advantage, rewards, values, mb.loss_mask,
                                                           gamma=self.algo.gamma, lam=self.algo.lam)
             out.append((values, returns))
