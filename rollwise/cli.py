@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from rollwise.config import ConfigError, load_config, to_toml
+from rollwise.errors import guard, one_line
 
 def _quiet_libraries() -> None:
     """Keep the console for rollwise's own progress: no per-file progress bars from transformers."""
@@ -28,9 +29,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-trai
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.toml"
 
 
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2)
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {one_line(message)}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=code)
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -50,6 +51,7 @@ def train(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default runs/<name>)"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="continue the run in this directory"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and exit"),
+    debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:
     """Train with GRPO-style RL (default recipe: recipes/quickstart.toml)."""
     recipe, overrides = _split_args(list(args or []))
@@ -74,12 +76,9 @@ def train(
         _fail(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
     _quiet_libraries()
     from rollwise.loop import train as run_training
-    from rollwise.models import ModelNotFoundError
 
-    try:
+    with guard(run_dir, debug):
         run_training(cfg, run_dir, resume=resume is not None)
-    except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
 
 
 @app.command("eval")
@@ -90,16 +89,14 @@ def eval_cmd(
     temperature: float = typer.Option(0.7, "--temperature"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),
+    debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:
     """Accuracy on a task's held-out split: prints one JSON object."""
     _quiet_libraries()
     from rollwise.evaluate_cli import run_eval_command
-    from rollwise.models import ModelNotFoundError
 
-    try:
+    with guard(None, debug):
         result = run_eval_command(model, task, n, temperature, max_new_tokens, list(overrides or []))
-    except (ConfigError, ModelNotFoundError, FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 

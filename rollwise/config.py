@@ -191,6 +191,17 @@ class RunConfig(Section):
     trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"], description="metric sinks; metrics.jsonl is always written")
 
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_installed(cls, trackers: list[str]) -> list[str]:
+        """Each tracker's library must be importable now, not at the first step (its extra names the pip line)."""
+        import importlib.util
+
+        for name in trackers:
+            if name != "jsonl" and importlib.util.find_spec(name) is None:  # the module is named as the tracker
+                raise ValueError(f"'{name}' is not installed; pip install 'rollwise[{name}]'")
+        return trackers
+
 
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -309,8 +320,9 @@ def _format_validation(exc: ValidationError, where: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML recipe (optional) and apply `section.key=value` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, resolve: bool = True) -> Config:
+    """Read a TOML recipe (optional) and apply `section.key=value` overrides; with `resolve`, check every
+    registry name (and import plugins) too (`rollwise.names`)."""
     data: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
@@ -325,9 +337,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for override in overrides or []:
         apply_override(data, override)
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, where)) from exc
+    if resolve:
+        from rollwise.names import resolve_names
+
+        resolve_names(cfg)
+    return cfg
 
 
 def to_toml(cfg: Config) -> str:
@@ -344,6 +361,14 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(out)
 
 
+def _toml_key(key: str) -> str:
+    """A TOML key: bare when it only has letters, digits, `_` and `-`, else quoted (`"pkg.mod:fn"`)."""
+    import json
+    import re
+
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
+
+
 def _toml_value(value: Any) -> str:
     import json
 
@@ -356,5 +381,5 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # inline table
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

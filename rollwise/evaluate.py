@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollwise.generate.base import Engine
-from rollwise.rewards import score_samples
+from rollwise.rewards import DEFAULT_TIMEOUT_S, score_samples
 from rollwise.rollout import make_groups
 from rollwise.types import GenerationRequest, Prompt, SamplingParams, Status
 
@@ -17,8 +17,10 @@ def evaluate(
     temperature: float,
     max_new_tokens: int,
     greedy: bool = True,
+    reward_timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> dict[str, float]:
-    """One response per prompt at `temperature` (and one greedy). Returns `eval/*` metrics:
+    """One response per prompt at `temperature` (and one greedy), each reward call limited to `reward_timeout_s`
+    (`reward.timeout_s`). Returns `eval/*` metrics:
     `eval/sampled_accuracy`, `eval/greedy_accuracy`, `eval/response_len_mean`,
     `eval/greedy_response_len_mean`, `eval/n`, `eval/reward_errors`.
     """
@@ -32,7 +34,7 @@ def evaluate(
     for k, (label, _) in enumerate(modes):
         groups = make_groups(prompts, 1, results[k :: len(modes)])
         samples = [g.samples[0] for g in groups]
-        metrics = score_samples(samples, reward_fn)
+        metrics = score_samples(samples, reward_fn, reward_timeout_s)
         scored = [s for s in samples if s.status != Status.FAILED]  # failed rewards are errors, not wrong answers
         n = max(1, len(samples))
         prefix = "eval/" if label == "sampled" else "eval/greedy_"

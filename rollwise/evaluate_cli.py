@@ -47,7 +47,11 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
     prompts = encode_eval_prompts(source, encoder, n)
     reward_fn = build_reward_fn(cfg.reward, source.default_reward)
-    metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens or cfg.rollout.max_new_tokens)
+    try:
+        metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens or cfg.rollout.max_new_tokens,
+                           reward_timeout_s=cfg.reward.timeout_s)
+    finally:
+        getattr(reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
     return {
         "model": target,
         "task": cfg.data.path or cfg.data.task,

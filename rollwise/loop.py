@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,12 +24,14 @@ from rollwise.metrics import ConsoleView, print_summary, write_report
 from rollwise.perf import step_perf
 from rollwise.session import Run, open_run, save_run
 from rollwise.sync import sync_weights
-from rollwise.types import Group, Sample
+from rollwise.train.checkpoint import latest_checkpoint
+from rollwise.train.trainer import NonFiniteError
+from rollwise.types import Group, Sample, Status
 
 
 # always present in a training row (null when not measured: no update this step, or no reference model)
 TRAIN_KEYS = ("train/loss", "train/kl", "train/entropy", "train/clip_frac", "train/grad_norm",
-              "mismatch/logprob_abs_diff_mean", "mismatch/k3")
+              "train/nonfinite_steps", "mismatch/logprob_abs_diff_mean", "mismatch/k3")
 
 
 class StageTimer:
@@ -98,7 +102,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     train_metrics: dict[str, float] = {}
     with timer("train"):  # Train
         if trained:
-            train_metrics = run.trainer.step(trained)
+            train_metrics = run.trainer.step(trained, version=version)
         else:
             run.trainer.skip_step()  # nothing to learn from: the schedule still advances
     with timer("sync"):  # Sync weights
@@ -109,8 +113,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     row["replay/replayed_frac"] = len(replayed) / max(1, len(trained))
     row.update(rollout_metrics(batch.scored, run.rollouts.stats.generated_tokens, batch.generate_s))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
-    row.update(step_perf(run.flops, run.peak_gflops, run.rollouts.stats, batch.scored, trained, timer.seconds,
-                         train_passes=cfg.train.ppo_epochs, reference=cfg.algo.kl_coef > 0))
+    row.update(step_perf(run, batch, samples, trained, timer.seconds, train_metrics))
     row.update(run.encoder.metrics())
     row["perf/elapsed_s"] = time.time() - run.started_at
     run.totals["tokens_generated"] += row["rollout/tokens"]
@@ -151,7 +154,8 @@ def run_eval(run: Run) -> dict[str, float]:
     if run.engine.version != run.step:  # async mode: the local engine only evaluates; bring it up to date
         sync_weights(run.model, [run.engine], version=run.step)
     metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, cfg.eval.temperature,
-                       cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy)
+                       cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy,
+                       reward_timeout_s=cfg.reward.timeout_s)
     row = {"step": run.step, "kind": "eval", **metrics, "perf/time/eval_s": time.perf_counter() - start}
     run.writer.write(row)
     return row
@@ -174,40 +178,113 @@ def log_samples(run: Run, samples: list[Sample]) -> None:
                                 "replayed": s.replayed}) + "\n")
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C: the run stopped; `checkpoint` is the newest complete checkpoint (None: none yet)."""
+
+    def __init__(self, step: int, checkpoint: Path | None):
+        super().__init__(f"interrupted during step {step + 1}")
+        self.step, self.checkpoint = step, checkpoint
+
+
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
-    """Run (or resume) training to `train.steps`; returns the summary printed at the end."""
+    """Run (or resume) training to `train.steps`; returns the summary printed at the end.
+
+    Errors carry where they happened as `exc.rollwise_where` ("step 3", ...) for the CLI's one-line message.
+    """
     run = open_run(cfg, run_dir, resume)
+    stop = StopOnInterrupt()
     try:
-        return _train(run, cfg, run_dir)
+        with stop:
+            return _train(run, cfg, run_dir, stop)
+    except KeyboardInterrupt as exc:
+        raise RunInterrupted(run.step, latest_checkpoint(run_dir)) from exc
+    except BaseException as exc:
+        exc.rollwise_where = stop.phase  # type: ignore[attr-defined]
+        raise
     finally:
         run.rollouts.close()  # stops the generation process (async mode), also on errors and Ctrl-C
+        getattr(run.reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
+        run.writer.close()
 
 
-def _train(run: Run, cfg: Config, run_dir: Path) -> dict:
+class StopOnInterrupt:
+    """Ctrl-C during an RL step finishes that step, saves a checkpoint and then stops (`requested`); Ctrl-C
+    outside a step, or a second one, stops at once. Only installed in the main thread. `phase` names what the
+    loop is doing, for the one-line error of anything that fails."""
+
+    def __init__(self) -> None:
+        self.in_step = False
+        self.requested = False
+        self.phase = "start"  # what the loop is doing, for error messages ("step 3", "evaluation at step 10")
+        self._previous = None
+
+    def __enter__(self) -> "StopOnInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if not self.in_step or self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nrollwise: Ctrl-C: finishing this step and saving a checkpoint, then stopping "
+              "(Ctrl-C again stops at once)", flush=True)
+
+
+def check_step_health(run: Run, batch: StepBatch) -> None:
+    """Stop the run when every reward failed for `reward.max_failed_steps` steps in a row, or training was
+    non-finite for `train.max_nonfinite_steps` RL steps in a row."""
+    failed = [s for g in batch.generated for s in g.samples if s.status == Status.FAILED]
+    run.reward_guard.observe(run.step, len(batch.scored), len(failed), failed[0] if failed else None)
+    limit = run.cfg.train.max_nonfinite_steps
+    if run.trainer.nonfinite_streak >= limit:
+        raise NonFiniteError(
+            f"step {run.step}: the loss or gradient was NaN/Inf in {run.trainer.nonfinite_streak} steps in a row "
+            f"(train.max_nonfinite_steps={limit}); those updates were skipped and no checkpoint holds them. "
+            "Lower train.lr, check a custom loss or reward, or try train.precision=fp32")
+
+
+def _train(run: Run, cfg: Config, run_dir: Path, stop: StopOnInterrupt) -> dict:
     print(f"rollwise: run {run_dir} | model {cfg.model.name} | task {cfg.data.path or cfg.data.task} | "
           f"step {run.step}/{cfg.train.steps}", flush=True)
     first_eval = None
     if run.step == 0 and cfg.eval.n > 0:
         print(f"rollwise: evaluating the starting model on {len(run.eval_prompts)} held-out prompts", flush=True)
+        stop.phase = "evaluation at step 0"
         first_eval = run_eval(run)
     with ConsoleView(cfg.train.steps, enabled=cfg.run.console, start_step=run.step) as view:
         if first_eval:
             view.eval(first_eval)
         while run.step < cfg.train.steps:
+            stop.in_step, stop.phase = True, f"step {run.step + 1}"
             row, batch = rl_step(run)
+            stop.in_step = False
             run.writer.write(row)
             # every response completed this step (failed ones too: their errors are logged), then the replayed
             log_samples(run, [s for g in batch.generated for s in g.samples] + batch.replayed)
+            check_step_health(run, batch)
+            if stop.requested:
+                save_run(run)
+                raise KeyboardInterrupt
             view.update(run.step, row)
             if cfg.eval.every_steps and run.step % cfg.eval.every_steps == 0 and run.step < cfg.train.steps:
+                stop.phase = f"evaluation at step {run.step}"
                 view.eval(run_eval(run))
             if cfg.run.save_every_steps and run.step % cfg.run.save_every_steps == 0:
+                stop.phase = f"checkpoint at step {run.step}"
                 save_run(run)
             if cfg.train.max_time_s and run.totals["steps_s"] >= cfg.train.max_time_s:
                 print(f"rollwise: train.max_time_s={cfg.train.max_time_s:g} reached after step {run.step}", flush=True)
                 break
+    stop.phase = f"final evaluation at step {run.step}"
     last_eval = run_eval(run) if cfg.eval.n > 0 else None
+    stop.phase = f"final checkpoint at step {run.step}"
     save_run(run)
+    stop.phase = "report"
     return finish(run, first_eval, last_eval)
 
 

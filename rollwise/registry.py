@@ -6,6 +6,8 @@ Every registry holds callables with one signature, checked by `tests/test_regist
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any, Callable, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,10 +51,14 @@ class Registry(Generic[F]):
 
 
 def load_dotted(path: str) -> Any:
-    """Import `pkg.module:attr` and return the attribute, with a clear error when it is missing."""
+    """Import `pkg.module:attr` and return the attribute, with a clear error when it is missing.
+
+    The working directory is importable too (as with `python -m`), so a plugin module beside the recipe works."""
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"plugin path {path!r} must look like 'package.module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # `rollwise` scripts: plugins next to the recipe
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -48,7 +48,17 @@ def is_complete(group: Group) -> bool:
 
 def merge_result(sample: Sample, result: GenerationResult, text: str | None = None) -> None:
     """Take an engine result into its sample: the engine returns all tokens (earlier + new) and the spans of
-    this call only, which are appended to the sample's earlier spans."""
+    this call only, which are appended to the sample's earlier spans.
+
+    Untruncated log-probs: the result's, or its behaviour log-probs when the engine reports none; on a
+    continued sample the sample's own values of its earlier tokens are kept (a request may not carry them).
+    """
+    full = list(result.full_logprobs if len(result.full_logprobs) == len(result.response_ids) else result.logprobs)
+    earlier = len(sample.response_ids)
+    known = getattr(sample, "full_logprobs", [])  # absent from samples pickled before the field existed
+    if earlier and len(known) == earlier and result.response_ids[:earlier] == sample.response_ids:
+        full[:earlier] = known
+    sample.full_logprobs = full
     sample.response_ids = list(result.response_ids)
     sample.behaviour_logprobs = list(result.logprobs)
     sample.loss_mask = [1] * len(result.response_ids)
@@ -88,7 +98,8 @@ def unfinished_requests(groups: list[Group], params: SamplingParams,
         for s in group.samples:
             if s.status not in FINAL:
                 req = GenerationRequest(next(ids), s.prompt_ids, params, response_ids=list(s.response_ids),
-                                        response_logprobs=list(s.behaviour_logprobs))
+                                        response_logprobs=list(s.behaviour_logprobs),
+                                        response_full_logprobs=list(s.full_logprobs))
                 out.append((req, s))
     return out
 
@@ -199,6 +210,7 @@ class ProcessRollouts:
 
         self.process = process
         self.stats = EngineStats()
+        self.threads: int | None = None  # the generation process's torch threads, from its results
         self._ids = count()
         self._jobs: dict[int, tuple[list[Group], dict[int, Sample]]] = {}
         self._finished: dict[int, object] = {}
@@ -221,6 +233,7 @@ class ProcessRollouts:
             merge_result(sample_of[result.request_id], result)
         for key, value in done.stats.items():
             setattr(self.stats, key, getattr(self.stats, key) + value)
+        self.threads = done.threads or self.threads
         completed = sum(is_complete(g) for g in groups)
         return JobResult(done.version, done.generate_s, GenerateStats(len(sample_of), 0, completed))
 

@@ -21,11 +21,11 @@ from rollwise.control import Controller
 from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
 from rollwise.generate import TorchEngine
 from rollwise.hardware import bf16_is_native, configure_allocator, configure_threads, physical_cores
-from rollwise.metrics import MetricsWriter, truncate_after
+from rollwise.metrics import MetricsWriter, build_sinks, truncate_after
 from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter, matmul_peak_gflops
 from rollwise.replay import ReplayBuffer
-from rollwise.rewards import build_reward_fn
+from rollwise.rewards import RewardFailureGuard, build_reward_fn
 from rollwise.rollout import LocalRollouts, ProcessRollouts
 from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from rollwise.train.trainer import Trainer
@@ -64,6 +64,7 @@ class Run:
     peak_gflops: float = 1.0
     rollouts: Any = None  # LocalRollouts (the engine above) or ProcessRollouts (control.mode = "async")
     controller: Controller | None = None
+    reward_guard: RewardFailureGuard | None = None
     replay: ReplayBuffer | None = None
 
     def next_prompts(self, n: int) -> list[tuple[Prompt, list[int]]]:
@@ -123,8 +124,10 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     state = load_trainer_state(ckpt) if ckpt is not None else None
     if state is not None:  # drop rows a killed run logged after its last checkpoint, before appending
         truncate_after(run_dir, state["step"])
-    run = Run(cfg, run_dir, model, tokenizer, engine, trainer, source, encoder, reward_fn, MetricsWriter(run_dir))
-    run.eval_prompts = encode_eval_prompts(source, encoder, cfg.eval.n)
+    writer = build_sinks(cfg.run.trackers, run_dir, cfg.run.name or run_dir.name, cfg.model_dump(mode="json"),
+                         resume_step=state["step"] if state is not None else None)  # JSONL + run.trackers
+    run = Run(cfg, run_dir, model, tokenizer, engine, trainer, source, encoder, reward_fn, writer)
+    run.eval_prompts = encode_eval_prompts(source, encoder, cfg.eval.n, to_stdout=True)
     run.flops = FlopCounter(model_info(model))
     run.peak_gflops = matmul_peak_gflops(torch.float32)  # measured once per machine, then cached
     run.replay = ReplayBuffer(cfg.replay, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt,
@@ -135,6 +138,9 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     if cfg.control.mode == "async":
         run.rollouts = ProcessRollouts(start_generation_process(cfg, model, tokenizer, generation_threads, run.step))
     run.controller = Controller(cfg, run.rollouts, run.next_prompts, reward_fn)
+    run.reward_guard = RewardFailureGuard(cfg.reward.max_failed_steps)
+    if state is not None and state.get("reward_guard") is not None:
+        run.reward_guard.load_state_dict(state["reward_guard"])
     if state is not None and state.get("controller") is not None:
         run.controller.load_state_dict(state["controller"])
     return run
@@ -149,11 +155,35 @@ def start_generation_process(cfg: Config, model, tokenizer, threads: int, versio
                              device=cfg.control.generation_device, version=version)
 
 
-def encode_eval_prompts(source: PromptSource, encoder: PromptEncoder, n: int) -> list[tuple[Prompt, list[int]]]:
-    """The first `n` held-out prompts that fit the prompt limit, encoded."""
+def encode_eval_prompts(source: PromptSource, encoder: PromptEncoder, n: int,
+                        to_stdout: bool = False) -> list[tuple[Prompt, list[int]]]:
+    """The first min(n, held-out split size) held-out prompts that fit the prompt limit, encoded.
+
+    Prints ONE line: the split the source chose (`split_summary()`) and how many prompts eval uses, e.g.
+    `rollwise: data: 64 rows in my.jsonl -> 48 train, 16 held-out (...); eval.n=200 -> 16`. It goes to stderr
+    unless `to_stdout` (`rollwise eval` keeps stdout for its one JSON object). `n` is capped at the source's
+    `num_eval` when it has one; a source without it raises its own error for too large an `n`.
+    ValueError when n > 0 and no prompt is left to evaluate (empty split, or all over data.max_prompt_tokens).
+    """
+    import sys
+
+    available = getattr(source, "num_eval", None)
+    used = n if available is None else min(n, available)
     dropped_before = encoder.dropped
-    out = [(p, ids) for p in source.eval_prompts(n) if (ids := encoder.encode(p)) is not None]
+    out = [(p, ids) for p in source.eval_prompts(used) if (ids := encoder.encode(p)) is not None]
+    too_long = encoder.dropped - dropped_before
     encoder.dropped = dropped_before  # count only training drops in data/ metrics
+    summary = source.split_summary() if hasattr(source, "split_summary") else f"task {source.name}"
+    if n > 0 and used == 0:
+        raise ValueError(f"data: {summary}; eval.n={n} needs held-out prompts: give data.eval_path, or set "
+                         f"eval.n = 0 to train on every row without evaluation")
+    if n > 0 and not out:
+        raise ValueError(f"data: all {used} held-out prompts are longer than data.max_prompt_tokens="
+                         f"{encoder.max_prompt_tokens}; raise it")
+    tail = "eval.n=0: evaluation off" if n == 0 else f"eval.n={n}" + (f" -> {used}" if used < n else "")
+    if too_long:
+        tail += f" ({too_long} over data.max_prompt_tokens={encoder.max_prompt_tokens} left out: {len(out)} used)"
+    print(f"rollwise: data: {summary}; {tail}", file=sys.stdout if to_stdout else sys.stderr, flush=True)
     return out
 
 
@@ -175,6 +205,8 @@ def trainer_state(run: Run) -> dict[str, Any]:
         "engine_version": run.engine.version,
         "controller": run.controller.state_dict(),
         "replay": run.replay.state_dict(),
+        "reward_guard": run.reward_guard.state_dict(),
+        "nonfinite_streak": run.trainer.nonfinite_streak,
         "totals": dict(run.totals),
         "prompts_dropped": run.encoder.dropped,
         "elapsed_s": time.time() - run.started_at,
@@ -187,6 +219,7 @@ def restore_state(run: Run, state: dict[str, Any]) -> None:
     run.trainer.optimizer.load_state_dict(state["optimizer"])
     run.trainer.scheduler.load_state_dict(state["scheduler"])
     run.trainer.updates = state.get("updates", 0)
+    run.trainer.nonfinite_streak = state.get("nonfinite_streak", 0)
     if run.trainer.value_head is not None and state.get("value_head") is not None:
         run.trainer.value_head.load_state_dict(state["value_head"])
     random.setstate(state["rng"]["python"])

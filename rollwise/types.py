@@ -60,6 +60,8 @@ class GenerationRequest:
     params: SamplingParams
     response_ids: list[int] = field(default_factory=list)  # tokens already generated (resume)
     response_logprobs: list[float] = field(default_factory=list)
+    # untruncated log-probs of `response_ids` (see `GenerationResult.full_logprobs`); empty = `response_logprobs`
+    response_full_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +70,9 @@ class GenerationResult:
 
     `logprobs[i]` is the log-probability of `response_ids[i]` under the distribution the engine
     actually sampled from (after temperature, top-k and top-p): the behaviour logprob.
+    `full_logprobs[i]` is its log-probability under the same temperature without top-k / top-p (what the
+    trainer computes); equal to `logprobs[i]` when nothing is truncated. Empty from an engine that does not
+    report it.
     `version_spans` lists `(start, end, policy_version)` over response positions.
     """
 
@@ -77,6 +82,7 @@ class GenerationResult:
     status: Status
     version_spans: list[tuple[int, int, int]]
     text: str = ""
+    full_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -92,7 +98,10 @@ class RewardResult:
 class Sample:
     """One response to one prompt, with everything the trainer needs.
 
-    Lengths: `response_ids`, `behaviour_logprobs` and `loss_mask` all have the response length.
+    Lengths: `response_ids`, `behaviour_logprobs`, `full_logprobs` and `loss_mask` all have the response length.
+    `behaviour_logprobs` are under the distribution sampled from (after top-k / top-p: the importance-sampling
+    proposal); `full_logprobs` under the same temperature without truncation (compared with the trainer's in
+    `mismatch/*`); empty when the engine did not report them (then read as `behaviour_logprobs`).
     `version_spans`: `(start, end, policy_version)` over response positions (partial rollouts mix).
     """
 
@@ -104,11 +113,13 @@ class Sample:
     status: Status
     group_id: int
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    full_logprobs: list[float] = field(default_factory=list)
     turn_boundaries: list[int] = field(default_factory=list)
     response_text: str = ""
     reward: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)
     reward_error: str | None = None
+    reward_traceback: str | None = None  # full traceback text of the reward failure (reward_error is one line)
     correct: bool | None = None
     advantage: float = 0.0
     train_reward: float | None = None  # reward after shaping and KL penalty (Filter stage); None = `reward`

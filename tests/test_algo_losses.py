@@ -34,8 +34,8 @@ def test_dual_clip_bounds_negative_advantages():
     assert_close(loss, torch.tensor([[0.8, 1.0, 2.0, 3.0]]))
     # gradient of -r A w.r.t. logp is -A r = r where active; PPO clip (r=0.5) and the dual bound (r=4) give 0
     assert_close(grad, torch.tensor([[0.0, 1.0, 2.0, 0.0]]))
-    assert_close(m["dual_clip_frac"], torch.tensor(0.25))
-    assert_close(m["clip_frac"], torch.tensor(0.25))
+    assert_close(m["dual_clip_frac"], torch.tensor(0.25))  # r=4
+    assert_close(m["clip_frac"], torch.tensor(0.5))  # every zero-gradient token: r=0.5 (PPO clip) and r=4 (dual)
 
 
 def test_dual_clip_equals_ppo_clip_for_positive_advantages():
@@ -64,7 +64,20 @@ def test_gspo_sequence_ratio_clip_and_gradients():
     # d loss_t / d logp_t = -A * s_i for unclipped sequences, 0 for clipped ones (masked token: 0)
     assert_close(grad, torch.tensor([[0.0, 0.0, 0.0], [s1, s1, 0.0]]))
     assert_close(m["ratio_mean"], torch.tensor((s0 + s1) / 2))
-    assert_close(m["clip_frac"], torch.tensor(3 / 5))  # the 3 trained tokens of row 0, of 5
+    assert_close(m["clip_frac"], torch.tensor(1 / 2))  # sequence level: row 0 of the 2 rows
+    assert_close(m["clip_token_frac"], torch.tensor(3 / 5))  # the 3 trained tokens of row 0, of 5
+
+
+def test_gspo_clip_frac_with_token_advantages_is_a_mean_over_sequences():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, -0.1, 0.3], [0.0, 0.0002, 5.0]])  # s0 = e^0.1 (above the band), s1 inside
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0, 1.0], [1.0, -1.0, 1.0]])
+    _, m = algo.policy_loss("gspo", logp, old, adv, mask)
+    # row 0: s0 > 1 + 4e-4 clips the two A > 0 tokens, not the A < 0 one (-min(-s, -1.0004) = s): 2/3 of it;
+    # row 1: nothing clipped. Sequence level: (2/3 + 0) / 2 = 1/3; tokens: 2 of 5.
+    assert_close(m["clip_frac"], torch.tensor(1 / 3))
+    assert_close(m["clip_token_frac"], torch.tensor(2 / 5))
 
 
 def test_gspo_equals_ppo_clip_on_one_token_sequences():
@@ -190,6 +203,28 @@ def test_positive_advantage_raises_logprob_unless_clipped():
         logp, old = _logp_for([[1.0]])
         _, _, grad = _grad(name, logp, old, torch.tensor([1.0]), torch.ones(1, 1))
         assert grad[0, 0] < 0, name  # ratio 1 is inside every band: descent raises the sampled token's logp
+
+
+CLIPPING_LOSSES = ("ppo_clip", "dual_clip", "gspo", "cispo", "sao", "nsr")
+
+
+@pytest.mark.parametrize("name", CLIPPING_LOSSES)
+def test_clip_frac_is_zero_on_policy_and_counts_what_the_loss_acts_on(name):
+    # one on-policy update (old = logp): every ratio is exactly 1, inside every band, so nothing is clipped
+    logp = torch.log(torch.tensor([[0.5, 0.9, 1.1, 5.0], [1.0, 1.0, 1.0, 1.0]]))  # 2 rows, row 1 has 2 tokens
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    _, on_policy = algo.policy_loss(name, logp, logp.detach(), adv, mask, clip_low=0.2, clip_high=0.2)
+    assert float(on_policy["clip_frac"]) == 0.0
+    # against old = 0, row 0's ratios are [0.5, 0.9, 1.1, 5.0] with A = +1, row 1's are 1 with A = -1.
+    # ppo_clip / nsr (no rescue) zero r = 5 (1 of 6 tokens); dual_clip the same (A > 0: no dual bound);
+    # sao zeroes both sides, r = 0.5 and 5 (2 of 6); cispo truncates both (2 of 6, lower bound 0.8 given);
+    # gspo: s0 = exp(mean log r) = (0.5 * 0.9 * 1.1 * 5) ** (1/4) = 1.2543 > 1.2 clips row 0: 1 of 2 rows.
+    expected = {"ppo_clip": 1 / 6, "dual_clip": 1 / 6, "nsr": 1 / 6, "sao": 2 / 6, "cispo": 2 / 6, "gspo": 1 / 2}
+    options = {"rescue_prob": 0.0} if name == "nsr" else {}
+    _, off_policy = algo.policy_loss(name, logp, torch.zeros(2, 4), adv, mask, clip_low=0.2, clip_high=0.2,
+                                     **options)
+    assert_close(off_policy["clip_frac"], torch.tensor(expected[name]))
 
 
 def test_entropy_bonus():

@@ -63,8 +63,10 @@ def test_async_run_resumes_with_its_submitted_prompts(make_config, tmp_path):
 
 def test_a_failing_reward_in_async_mode_still_stops_the_generation_process(make_config, tmp_path):
     before = children()
-    cfg = make_config(**{**ASYNC, "reward.fn": "toy_plugins:no_such_function", "train.steps": 2})
-    with pytest.raises(Exception):
+    cfg = make_config(**{**ASYNC, "reward.fn": "toy_plugins:always_raises", "train.steps": 2})
+    from rollwise.rewards import RewardsFailingError
+
+    with pytest.raises(RewardsFailingError, match="every reward failed"):
         quiet_train(cfg, tmp_path / "run")
     assert children() == before
 

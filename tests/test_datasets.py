@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers_tokenizer import DEFAULT_SYSTEM, tiny_tokenizer
 
-from rollwise.config import DataConfig
+from rollwise.config import DataConfig, load_config
 from rollwise.data import DatasetError, FileDataset, PromptEncoder, build_prompt_source, encode_prompt
+from rollwise.session import encode_eval_prompts
 from rollwise.types import Prompt
 
 
@@ -52,7 +54,8 @@ def test_jsonl_rows_become_prompts(tmp_path):
 def test_custom_field_names(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "solution": i} for i in range(10)])
     source = dataset(path, prompt_field="question", answer_field="solution")
-    assert {source.train_prompt(i).answer for i in range(9)} | {source.eval_prompts(1)[0].answer} == {
+    held_out = source.eval_prompts(2)  # 10 // 4 = 2 rows held out
+    assert {source.train_prompt(i).answer for i in range(8)} | {p.answer for p in held_out} == {
         str(i) for i in range(10)
     }
 
@@ -60,22 +63,22 @@ def test_custom_field_names(tmp_path):
 def test_eval_slice_is_fixed_and_held_out(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(50))
     a, b = dataset(path, seed=0), dataset(path, seed=7)
-    held_out = [p.uid for p in a.eval_prompts(5)]  # min(512, 50 // 10) = 5
-    assert held_out == [p.uid for p in b.eval_prompts(5)]
-    with pytest.raises(ValueError, match="held-out split has 5"):
-        a.eval_prompts(6)
-    train_uids = {a.train_prompt(i).uid for i in range(45 * 3)}
-    assert len(train_uids) == 45 and not train_uids & set(held_out)
+    held_out = [p.uid for p in a.eval_prompts(12)]  # min(512, 50 // 4) = 12
+    assert held_out == [p.uid for p in b.eval_prompts(12)]
+    with pytest.raises(ValueError, match="held-out split has 12"):
+        a.eval_prompts(13)
+    train_uids = {a.train_prompt(i).uid for i in range(38 * 3)}
+    assert len(train_uids) == 38 and not train_uids & set(held_out)
 
 
 def test_training_order_is_a_seeded_permutation_per_epoch(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(50))
     a, again, other = dataset(path, seed=0), dataset(path, seed=0), dataset(path, seed=1)
-    epoch0, epoch1 = train_texts(a, 45), [a.train_prompt(45 + i).messages[0]["content"] for i in range(45)]
-    assert sorted(epoch0) == sorted(epoch1) and len(set(epoch0)) == 45
+    epoch0, epoch1 = train_texts(a, 38), [a.train_prompt(38 + i).messages[0]["content"] for i in range(38)]
+    assert sorted(epoch0) == sorted(epoch1) and len(set(epoch0)) == 38
     assert epoch0 != epoch1
-    assert train_texts(a, 90) == train_texts(again, 90)
-    assert train_texts(a, 45) != train_texts(other, 45)
+    assert train_texts(a, 76) == train_texts(again, 76)
+    assert train_texts(a, 38) != train_texts(other, 38)
     assert a.train_prompt(200).uid == again.train_prompt(200).uid  # random access
 
 
@@ -126,16 +129,11 @@ def test_file_level_errors(tmp_path):
         dataset(tmp_path / "bad.csv")
     with pytest.raises(DatasetError, match=r"empty\.jsonl: dataset is empty"):
         dataset(write_jsonl(tmp_path / "empty.jsonl", ["", "  "]))
-    with pytest.raises(DatasetError, match=r"one\.jsonl: 1 row; need at least 2"):
-        dataset(write_jsonl(tmp_path / "one.jsonl", rows(1)))
     (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
     with pytest.raises(DatasetError, match=r"latin\.jsonl: not UTF-8"):
         dataset(tmp_path / "latin.jsonl")
 
 
-def test_two_rows_hold_out_one(tmp_path):
-    source = dataset(write_jsonl(tmp_path / "two.jsonl", rows(2)))
-    assert len(source.eval_prompts(1)) == 1 and source.num_train == 1
 
 
 # ------------------------------------------------------------------------------------ Parquet and HF
@@ -154,7 +152,7 @@ def test_parquet_rows_and_errors(tmp_path):
     others = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i)} for i in range(19)]
     records = [{"prompt": chat, "answer": "6"}, *others]
     source = dataset(write_parquet(tmp_path / "d.parquet", records))
-    found = {p.source: p for p in source.eval_prompts(2) + [source.train_prompt(i) for i in range(18)]}
+    found = {p.source: p for p in source.eval_prompts(5) + [source.train_prompt(i) for i in range(15)]}
     assert found["d.parquet:row 0"].messages == chat and found["d.parquet:row 0"].answer == "6"
     bad = [{"prompt": "ok", "answer": "1"}, {"prompt": "ok", "answer": None}]
     expected = r"bad\.parquet, row 1: field 'answer' is null; expected a string or a number"
@@ -174,7 +172,7 @@ def test_hf_directory_rows_and_errors(tmp_path):
     datasets.Dataset.from_list(rows(10)).save_to_disk(str(tmp_path / "hf"))
     source = dataset(tmp_path / "hf")
     assert source.eval_prompts(1)[0].source.startswith("hf:row ")
-    assert source.num_train == 9
+    assert source.num_train == 8 and source.num_eval == 2
     datasets.Dataset.from_list([{"prompt": "a", "answer": "1"}, {"prompt": "", "answer": "2"}]).save_to_disk(
         str(tmp_path / "hf_bad")
     )
@@ -246,3 +244,151 @@ def test_encode_without_chat_template_fails_clearly(tokenizer):
     bare.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         encode_prompt(user("hi"), bare, None)
+
+
+# ------------------------------------------------------------------ held-out sizing and the data line
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.toml"
+
+
+def quickstart_data(path, *overrides):
+    """The default recipe with `data.path` set: its eval settings (eval.n = 200, data.eval_size = 512)."""
+    return load_config(QUICKSTART, [f'data.path="{path}"', *overrides])
+
+
+def eval_set(cfg, tokenizer, to_stdout=True):
+    source = build_prompt_source(cfg.data, cfg.train.seed)
+    encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+    return source, encode_eval_prompts(source, encoder, cfg.eval.n, to_stdout=to_stdout)
+
+
+def test_64_row_file_with_the_default_recipe_just_works(tmp_path, tokenizer, capsys):
+    path = write_jsonl(tmp_path / "my.jsonl", rows(64))
+    cfg = quickstart_data(path)
+    assert cfg.eval.n == 200 and cfg.data.eval_size == 512  # what a user of the default recipe gets
+    source, held_out = eval_set(cfg, tokenizer)
+    # min(eval_size 512, 64 // 4) = 16 held out, the other 48 train; eval.n = 200 is capped at the 16
+    assert capsys.readouterr().out.splitlines() == [
+        "rollwise: data: 64 rows in my.jsonl -> 48 train, 16 held-out "
+        "(data.eval_size=512 capped at a quarter of the rows); eval.n=200 -> 16"
+    ]
+    held_uids = [p.uid for p, _ in held_out]
+    train_uids = {source.train_prompt(i).uid for i in range(48)}  # one epoch
+    assert len(set(held_uids)) == 16 and len(train_uids) == 48
+    assert not train_uids & set(held_uids)
+    assert train_uids | set(held_uids) == {f"{path}#{n}" for n in range(1, 65)}  # every row used once
+    assert {source.train_prompt(i).uid for i in range(48, 96)} == train_uids  # epoch 2: same rows
+
+
+def test_data_line_goes_to_stderr_by_default_and_names_the_cap(tmp_path, tokenizer, capsys):
+    path = write_jsonl(tmp_path / "big.jsonl", rows(2400))
+    _, held_out = eval_set(quickstart_data(path, "eval.n=600"), tokenizer, to_stdout=False)
+    out, err = capsys.readouterr()
+    assert out == "" and len(held_out) == 512
+    assert err == "rollwise: data: 2400 rows in big.jsonl -> 1888 train, 512 held-out (data.eval_size); " \
+                  "eval.n=600 -> 512\n"
+
+
+def test_eval_path_is_used_whole_and_training_is_the_whole_file(tmp_path, tokenizer, capsys):
+    train = write_jsonl(tmp_path / "train.jsonl", rows(64))
+    others = [{"prompt": f"What is {i} + 2?", "answer": str(i + 2)} for i in range(30)]
+    held = write_jsonl(tmp_path / "held.jsonl", others)
+    cfg = quickstart_data(train, f'data.eval_path="{held}"', "data.eval_size=10")  # eval_size does not apply
+    source, held_out = eval_set(cfg, tokenizer)
+    assert [p.source for p, _ in held_out] == [f"held.jsonl:line {n}" for n in range(1, 31)]
+    assert source.num_train == 64 and {source.train_prompt(i).uid for i in range(64)} == {
+        f"{train}#{n}" for n in range(1, 65)
+    }
+    assert capsys.readouterr().out == (
+        "rollwise: data: 64 rows in train.jsonl -> 64 train, 30 held-out = all of held.jsonl (data.eval_path); "
+        "eval.n=200 -> 30\n"
+    )
+    cfg.eval.n = 20
+    eval_set(cfg, tokenizer)
+    assert capsys.readouterr().out.endswith("(data.eval_path); eval.n=20\n")  # not capped: no arrow
+
+
+@pytest.mark.parametrize("n_rows", [1, 3])
+def test_under_four_rows_trains_on_all_and_needs_eval_off(tmp_path, tokenizer, capsys, n_rows):
+    path = write_jsonl(tmp_path / "tiny.jsonl", rows(n_rows))
+    cfg = quickstart_data(path)
+    source = build_prompt_source(cfg.data, cfg.train.seed)
+    assert source.num_train == n_rows and source.num_eval == 0
+    assert {source.train_prompt(i).uid for i in range(3 * n_rows)} == {f"{path}#{n}" for n in range(1, n_rows + 1)}
+    encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+    with pytest.raises(ValueError) as err:
+        encode_eval_prompts(source, encoder, cfg.eval.n)
+    message = str(err.value)
+    assert "\n" not in message and str(path.name) in message and f"{n_rows} train, 0 held-out" in message
+    assert "eval.n=200 needs held-out prompts" in message and "data.eval_path" in message and "eval.n = 0" in message
+    assert encode_eval_prompts(source, encoder, 0, to_stdout=True) == []
+    assert capsys.readouterr().out == (
+        f"rollwise: data: {n_rows} rows in tiny.jsonl -> {n_rows} train, 0 held-out (under 4 rows: none held out; "
+        "give data.eval_path to evaluate); eval.n=0: evaluation off\n"
+    )
+
+
+def test_four_rows_hold_out_one(tmp_path):
+    source = dataset(write_jsonl(tmp_path / "four.jsonl", rows(4)))
+    assert source.num_eval == 1 and source.num_train == 3
+
+
+def test_empty_file_and_bad_rows_fail_before_the_split(tmp_path):
+    with pytest.raises(DatasetError) as err:
+        dataset(write_jsonl(tmp_path / "empty.jsonl", []))
+    assert str(err.value) == f"{tmp_path / 'empty.jsonl'}: dataset is empty (no rows)"
+    lines = [json.dumps(r) for r in rows(63)] + ['{"prompt": "What is 1 + 1?"}']
+    with pytest.raises(DatasetError) as err:
+        dataset(write_jsonl(tmp_path / "my.jsonl", lines))
+    assert str(err.value).startswith(f"{tmp_path / 'my.jsonl'}, line 64: missing field 'answer' (row has: prompt)")
+
+
+def test_eval_prompts_over_the_prompt_limit_are_counted_or_fail(tmp_path, tokenizer, capsys):
+    short = rows(60)
+    long = [{"prompt": "the and that " * 40 + f"{i}", "answer": "1"} for i in range(4)]
+    path = write_jsonl(tmp_path / "mixed.jsonl", short + long)
+    cfg = quickstart_data(path)
+    source = build_prompt_source(cfg.data, 0)
+    n_long_held = sum("the and that" in p.messages[0]["content"] for p in source.eval_prompts(16))
+    assert n_long_held == 2  # the fixed eval seed holds out two of the four long rows
+    limit = max(len(encode_prompt(p, tokenizer, cfg.data.system_prompt)) for p in source.eval_prompts(16)
+                if "the and that" not in p.messages[0]["content"])
+    encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, max_prompt_tokens=limit)
+    held_out = encode_eval_prompts(source, encoder, 200, to_stdout=True)
+    assert len(held_out) == 16 - n_long_held and encoder.dropped == 0  # eval drops do not count as training drops
+    assert capsys.readouterr().out.endswith(
+        f"eval.n=200 -> 16 (2 over data.max_prompt_tokens={limit} left out: 14 used)\n")
+    with pytest.raises(ValueError, match=r"all 16 held-out prompts are longer than data\.max_prompt_tokens=1; raise"):
+        encode_eval_prompts(source, PromptEncoder(tokenizer, None, max_prompt_tokens=1), 200)
+
+
+def test_fact_split_with_a_file_fails_naming_data_split(tmp_path):
+    path = write_jsonl(tmp_path / "my.jsonl", rows(64))
+    with pytest.raises(DatasetError) as err:
+        dataset(path, split="fact")
+    message = str(err.value)
+    assert message.startswith('data.split = "fact" applies only to the built-in arith task')
+    assert str(path) in message and "\n" not in message
+
+
+@pytest.mark.slow
+def test_cli_trains_a_64_row_file_with_the_default_recipe(tmp_path, tiny_model_dir):
+    """The issue's report, end to end: `rollwise train recipes/quickstart.toml data.path=my.jsonl` (eval.n = 200)
+    on a 64-row file ran into "asked for 200 eval prompts but the held-out split has 6"; now it trains and
+    evaluates on the 16 held-out rows. A real subprocess on the tiny model."""
+    import subprocess
+
+    from conftest import ROLLWISE, read_rows, subprocess_env, tiny_overrides
+
+    path = write_jsonl(tmp_path / "my.jsonl", rows(64))
+    overrides = tiny_overrides(tiny_model_dir, **{"eval.n": None, "data.eval_size": None, "data.path": str(path),
+                                                   "train.steps": 1, "reward.fn": "toy_plugins:digit_fraction"})
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([ROLLWISE, "train", str(QUICKSTART), "--run-dir", str(run_dir), *overrides],
+                          capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    data_lines = [line for line in proc.stdout.splitlines() if line.startswith("rollwise: data:")]
+    assert data_lines == ["rollwise: data: 64 rows in my.jsonl -> 48 train, 16 held-out "
+                          "(data.eval_size=512 capped at a quarter of the rows); eval.n=200 -> 16"]
+    eval_rows = [r for r in read_rows(run_dir) if r["kind"] == "eval"]
+    assert [r["eval/n"] for r in eval_rows] == [16.0, 16.0]  # at the start and at the end

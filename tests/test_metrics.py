@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -76,16 +77,48 @@ def write_run(run_dir: Path, steps: int = 30) -> None:
                 writer.write(eval_row(step, 0.125 + 0.01 * step, 0.25 + 0.01 * step))
 
 
-def test_writer_round_trip_nan_becomes_null(tmp_path: Path) -> None:
+def test_writer_round_trip_nonfinite_is_a_string_not_null(tmp_path: Path) -> None:
     with MetricsWriter(tmp_path) as writer:
-        writer.write({"kind": "train", "step": 1, "reward/mean": 0.5, "train/kl": math.nan, "x": math.inf})
+        writer.write({"kind": "train", "step": 1, "reward/mean": 0.5, "train/kl": math.nan, "x": math.inf,
+                      "y": -math.inf, "z": None})
         writer.write({"kind": "eval", "step": 1, "eval/greedy_accuracy": 0.75, "note": "ok"})
-    text = (tmp_path / "metrics.jsonl").read_text()
-    assert "NaN" not in text and "Infinity" not in text
-    assert read_metrics(tmp_path) == [
-        {"kind": "train", "step": 1, "reward/mean": 0.5, "train/kl": None, "x": None},
-        {"kind": "eval", "step": 1, "eval/greedy_accuracy": 0.75, "note": "ok"},
-    ]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert "NaN" not in lines[0] and "Infinity" not in lines[0]
+    assert json.loads(lines[0]) == {"kind": "train", "step": 1, "reward/mean": 0.5, "train/kl": "nan", "x": "inf",
+                                    "y": "-inf", "z": None}  # null stays "not measured"
+    train, evaluation = read_metrics(tmp_path)
+    assert math.isnan(train.pop("train/kl"))
+    assert train == {"kind": "train", "step": 1, "reward/mean": 0.5, "x": math.inf, "y": -math.inf, "z": None}
+    assert evaluation == {"kind": "eval", "step": 1, "eval/greedy_accuracy": 0.75, "note": "ok"}
+
+
+def test_truncate_after_keeps_nonfinite_values_spelled_out(tmp_path: Path) -> None:
+    with MetricsWriter(tmp_path) as writer:
+        writer.write({"step": 1, "train/loss": math.nan})
+        writer.write({"step": 2, "train/loss": math.inf})
+    assert truncate_after(tmp_path, 1) == 1
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step":1,"train/loss":"nan"}\n'
+
+
+def test_report_summary_and_console_skip_nonfinite_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(eval_row(0, math.nan, 0.25))
+        for step in (1, 2, 3):
+            writer.write({**train_row(step), "train/kl": math.nan if step == 2 else 0.5, "perf/step_s": math.inf})
+        writer.write(eval_row(3, 0.5, math.nan))
+    html = write_report(tmp_path).read_text()
+    plots = html.split("<svg")[1:]
+    assert not any(re.search(r"\b(nan|inf)\b", plot, re.IGNORECASE) for plot in plots)  # no NaN coordinates
+    kl_plot = next(plot for plot in plots if 'aria-label="KL"' in plot)
+    assert "no data" not in kl_plot  # steps 1 and 3 still plot; step 2 is a gap
+    assert "<td>eval/greedy_accuracy</td><td>0.25</td><td>nan</td>" in html  # shown as nan, not as "-"
+    assert summarize(tmp_path)["eval_before"]["eval/greedy_accuracy"] == 0.25
+    rows = read_metrics(tmp_path)
+    with ConsoleView(total_steps=3, enabled=False) as view:
+        view.update(2, rows[2])
+        view.eval(rows[-1])
+    out = capsys.readouterr().out
+    assert "step 2/3" in out and "greedy acc -" in out
 
 
 def test_torn_last_line_is_skipped_and_next_write_starts_a_new_line(tmp_path: Path) -> None:
@@ -185,8 +218,8 @@ def test_build_sinks_always_has_jsonl_and_rejects_unknown(tmp_path: Path) -> Non
     with build_sinks([], tmp_path) as sinks:
         sinks.write({"step": 1, "reward/mean": 0.5})
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "reward/mean": 0.5}
-    with pytest.raises(ValueError, match="valid sinks: jsonl, tensorboard"):
-        build_sinks(["wandb"], tmp_path)
+    with pytest.raises(ValueError, match="valid sinks: jsonl, tensorboard, wandb, mlflow"):
+        build_sinks(["neptune"], tmp_path)
 
 
 def test_ticks_and_labels() -> None:

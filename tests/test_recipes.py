@@ -1,17 +1,24 @@
-"""Every recipe in recipes/ runs two RL steps end to end on the tiny model, with its objective's metrics."""
+"""Every recipe in recipes/ runs two RL steps end to end on the tiny model, with its objective's metrics; the
+recipes whose objective is its clipping run enough minibatch updates for the clipping to act."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import math
+import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import read_rows, tiny_overrides
-from rollwise.config import load_config
+from helpers_model import tiny_llama
+from rollwise import algo
+from rollwise.config import Config, TrainConfig, load_config
 from rollwise.loop import train
+from rollwise.train.trainer import Trainer
+from rollwise.types import Prompt, Sample, Status
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # metrics that show the recipe's objective actually ran
@@ -19,6 +26,7 @@ EXPECTED = {
     "grpo": ["train/kl", "train/clip_frac"],
     "dr_grpo": ["train/clip_frac"],
     "dapo": ["reward/shaped_mean"],
+    "cispo": ["reward/shaped_mean", "train/weight_mean"],
     "gspo": ["train/clip_frac"],
     "rloo": ["train/loss"],
     "reinforce_pp": ["reward/kl_penalty_mean"],
@@ -43,10 +51,10 @@ def test_recipe_runs_two_steps(name, tmp_path, tiny_model_dir):
     if name == "sao":
         overrides["rollout.samples_per_prompt"] = None  # keep the recipe's single sample per prompt
         overrides["rollout.prompts_per_step"] = 8
-    if name == "dapo":  # the tiny run generates 8 tokens at most: the overlong buffer must fit inside
+    if name in ("dapo", "cispo"):  # the tiny run generates 8 tokens at most: the overlong buffer must fit inside
         overrides["algo.shaping"] = None
     cfg = load_config(RECIPES / f"{name}.toml", tiny_overrides(tiny_model_dir, **overrides))
-    if name == "dapo":
+    if name in ("dapo", "cispo"):
         cfg.algo.shaping = {"overlong_soft": {"cache_len": 4}}
     with contextlib.redirect_stdout(io.StringIO()):
         train(cfg, tmp_path / name)
@@ -75,3 +83,56 @@ def test_value_head_is_checkpointed_and_restored(tmp_path, tiny_model_dir):
     for name, tensor in run.trainer.value_head.state_dict().items():
         assert torch.equal(tensor, saved[name])
     assert run.trainer.updates == state["updates"] == 2
+
+
+# ---- clipping acts only off-policy ---------------------------------------------------------------------------
+
+# Recipes whose objective is defined by what it clips or truncates. With one PPO epoch and one minibatch the
+# old log-probs are the current ones, every ratio is exactly 1 and none of these losses acts.
+CLIPPING_RECIPES = ["dapo", "gspo", "sao", "cispo"]
+VOCAB = 97
+
+
+def _recipe_batch(cfg: Config) -> list[Sample]:
+    """One rollout batch of the recipe's shape (prompts_per_step groups x samples_per_prompt) of random tokens
+    and rewards, with the recipe's outcome advantages (a critic's are computed inside `Trainer.step`)."""
+    rng = random.Random(0)
+    samples = []
+    for g in range(cfg.rollout.prompts_per_step):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(5)]
+        for _ in range(cfg.rollout.samples_per_prompt):
+            n = rng.randint(2, 8)
+            samples.append(Sample(prompt=Prompt(str(g), []), prompt_ids=prompt,
+                                  response_ids=[rng.randrange(3, VOCAB) for _ in range(n)],
+                                  behaviour_logprobs=[-4.0] * n, loss_mask=[1] * n, status=Status.COMPLETED,
+                                  group_id=g, reward=rng.random()))
+    if not algo.is_token_advantage(cfg.algo.advantage):
+        rewards = torch.tensor([s.reward for s in samples])
+        group_ids = torch.tensor([s.group_id for s in samples])
+        for sample, a in zip(samples, algo.advantage(cfg.algo.advantage, rewards, group_ids).tolist()):
+            sample.advantage = a
+    return samples
+
+
+def _clip_frac(cfg: Config, **train_overrides) -> tuple[float, dict]:
+    """`train/clip_frac` of one RL step of the recipe's objective and train settings on the tiny model."""
+    train_cfg = TrainConfig.model_validate({**cfg.train.model_dump(), **train_overrides})
+    trainer = Trainer(tiny_llama(VOCAB, seed=1), train_cfg, cfg.algo, pad_id=0,
+                      temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+    metrics = trainer.step(_recipe_batch(cfg))
+    return metrics["train/clip_frac"], metrics
+
+
+@pytest.mark.parametrize("name", CLIPPING_RECIPES)
+def test_clipping_recipes_clip(name):
+    cfg = load_config(RECIPES / f"{name}.toml", [])
+    assert cfg.train.minibatches_per_epoch * cfg.train.ppo_epochs > 1, name
+    # lr 1e-2 (the recipe's is for the 135M model): the first update moves the tiny model's ratios out of the band
+    clip_frac, metrics = _clip_frac(cfg, lr=1e-2)
+    updates = cfg.train.minibatches_per_epoch * cfg.train.ppo_epochs
+    assert metrics["train/optimizer_steps"] == updates
+    # the first minibatch is on-policy (nothing clipped); the later ones are not
+    assert 0.0 < clip_frac < 1.0, (name, clip_frac)
+    # one epoch, one minibatch, same lr and samples: ratio exactly 1, nothing clipped
+    single, _ = _clip_frac(cfg, lr=1e-2, minibatches_per_epoch=1, ppo_epochs=1)
+    assert single == 0.0, (name, single)

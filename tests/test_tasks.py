@@ -10,7 +10,7 @@ import pytest
 
 from rollwise.config import DataConfig
 from rollwise.data import TASKS, ArithTask, LettersTask, build_prompt_source, load_words
-from rollwise.data.tasks import arith_phrasings
+from rollwise.data.tasks import arith_phrasings, fact_score
 
 
 def texts(prompts):
@@ -164,3 +164,111 @@ def test_unknown_task_lists_registered():
 def test_negative_position_rejected(arith0):
     with pytest.raises(ValueError, match="position"):
         arith0.train_prompt(-1)
+
+
+# ------------------------------------------------------------------------------- arith split by fact
+
+
+def fact(prompt):
+    """The fact a prompt asks about, computed here from its info: + and * commute, - has a >= b."""
+    a, b, op = prompt.info["a"], prompt.info["b"], prompt.info["op"]
+    return (max(a, b), min(a, b), op)
+
+
+@pytest.fixture(scope="module")
+def by_fact():
+    return build_prompt_source(DataConfig(split="fact"), seed=0)
+
+
+def test_prompt_split_says_it_is_by_prompt_text(arith0):
+    assert arith0.split_summary() == (
+        "task arith (1-digit operands, ops + -) -> 512 held-out prompts, split by prompt text "
+        '(data.split="prompt"; a held-out problem may be trained under another phrasing)'
+    )
+    # what "by prompt text" means: almost every held-out fact is also trained under another phrasing
+    held_facts = {fact(p) for p in arith0.eval_prompts(512)}
+    trained = {fact(arith0.train_prompt(i)) for i in range(5000)}
+    assert len(held_facts & trained) >= 0.9 * len(held_facts)
+
+
+def test_fact_split_one_digit_holds_out_a_fifth_of_each_operator(by_fact):
+    held = by_fact.eval_prompts(by_fact.num_eval)
+    facts = {fact(p) for p in held}
+    # one-digit facts: 10 * 11 / 2 = 55 pairs a >= b per operator; round(0.2 * 55) = 11 held out of each
+    assert sum(f[2] == "+" for f in facts) == 11 and sum(f[2] == "-" for f in facts) == 11
+    assert len({fact(p) for p in held[:22]}) == 22  # one phrasing of every held-out fact comes first
+    # the split holds every text of those facts: each phrasing, and both operand orders of a sum
+    expected = {t.format(a=a, b=b, op=op) for a in range(10) for b in range(10) for op in "+-"
+                for t in arith_phrasings(op) if (max(a, b), min(a, b), op) in facts and (op == "+" or a >= b)}
+    assert set(texts(held)) == expected and len(held) == len(expected) == by_fact.num_eval
+    for prompt in held:
+        check_arith(prompt, digits=1)
+    assert by_fact.split_summary() == (
+        f"task arith (1-digit operands, ops + -) -> {len(expected)} held-out prompts, split by fact "
+        '(data.split="fact": 22 of 110 facts held out, never trained under any phrasing or operand order)'
+    )
+
+
+def test_fact_split_training_never_sees_a_held_out_fact(by_fact):
+    held_facts = {fact(p) for p in by_fact.eval_prompts(by_fact.num_eval)}
+    train = [by_fact.train_prompt(i) for i in range(5000)]
+    trained = {fact(p) for p in train}
+    raw = {(p.info["a"], p.info["b"], p.info["op"]) for p in train}
+    assert not trained & held_facts
+    assert not raw & {(a, b, op) for a, b, op in held_facts} and not raw & {(b, a, op) for a, b, op in held_facts}
+    assert len(trained) == 110 - 22  # every other fact is trained
+    for prompt in train[:300]:
+        check_arith(prompt, digits=1)
+
+
+def test_fact_split_is_the_same_for_every_seed_and_every_ops(by_fact):
+    other_seed = build_prompt_source(DataConfig(split="fact"), seed=7)
+    assert texts(other_seed.eval_prompts(other_seed.num_eval)) == texts(by_fact.eval_prompts(by_fact.num_eval))
+    assert train_texts(other_seed, 50) != train_texts(by_fact, 50)  # training order still follows the seed
+    plus_only = build_prompt_source(DataConfig(split="fact", ops=["+"]), seed=0)
+    plus_facts = {fact(p) for p in plus_only.eval_prompts(plus_only.num_eval)}
+    assert plus_facts == {f for f in map(fact, by_fact.eval_prompts(by_fact.num_eval)) if f[2] == "+"}
+
+
+def test_fact_split_two_digits():
+    source = build_prompt_source(DataConfig(split="fact", digits=2, ops=["+", "-", "*"]), seed=3)
+    held = source.eval_prompts(512)
+    assert source.num_eval == 512 and len({fact(p) for p in held}) == 512  # 3 * 1010 held-out facts to pick from
+    train = [source.train_prompt(i) for i in range(5000)]
+    assert not {fact(p) for p in train} & {fact(p) for p in held}
+    held_facts = source._held_facts  # all of them, not only the 512 in the eval split
+    assert len(held_facts) == 3 * 1010  # two-digit facts: 100 * 101 / 2 = 5050 per operator, a fifth held out
+    assert not {fact(p) for p in train} & held_facts
+    for prompt in held[:100] + train[:100]:
+        check_arith(prompt, digits=2)
+
+
+def test_fact_split_many_digits_by_score():
+    source = build_prompt_source(DataConfig(split="fact", digits=4, eval_size=64), seed=0)
+    held = source.eval_prompts(64)
+    assert len(set(texts(held))) == 64
+    assert all(fact_score(fact(p)) < 0.2 for p in held)
+    train = [source.train_prompt(i) for i in range(2000)]
+    assert all(fact_score(fact(p)) >= 0.2 for p in train)
+    for prompt in held + train[:100]:
+        check_arith(prompt, digits=4)
+
+
+def test_fact_split_only_for_arith(monkeypatch):
+    with pytest.raises(ValueError) as err:
+        build_prompt_source(DataConfig(task="letters", split="fact"), seed=0)
+    assert str(err.value).startswith('data.split = "fact" is not available for task \'letters\' (it has: prompt)')
+    plugin = types.ModuleType("fact_plugin")
+    plugin.make = lambda cfg, seed: LettersTask(DataConfig(task="letters"), seed)  # ignores data.split
+    monkeypatch.setitem(sys.modules, "fact_plugin", plugin)
+    with pytest.raises(ValueError, match=r'data\.split = "fact" is not available for task \'fact_plugin:make\''):
+        build_prompt_source(DataConfig(task="fact_plugin:make", split="fact"), seed=0)
+    assert build_prompt_source(DataConfig(task="fact_plugin:make"), seed=0).name == "letters"
+
+
+def test_fact_split_smaller_eval_size_takes_distinct_facts_first():
+    source = build_prompt_source(DataConfig(split="fact", eval_size=10), seed=0)
+    held = source.eval_prompts(10)
+    assert source.num_eval == 10 and len({fact(p) for p in held}) == 10
+    with pytest.raises(ValueError, match="held-out split has 10"):
+        source.eval_prompts(11)

@@ -9,6 +9,8 @@
 - `flaky_digit_fraction`: the same, but raises on every response whose first token id is even, so about
   half the samples fail; the loop must count them (`reward/errors`) and leave them out of the statistics.
 - `flaky_always_right`: 1.0 (correct) on every response it scores, raising on the same ones as above.
+- `answer_matches` (returns a bool), `hang_in_c`, `crash_on_request`, `sleep_then_one` (return floats): rewards
+  for the plain-value and worker-process tests of tests/test_rewards.py.
 """
 
 from __future__ import annotations
@@ -60,3 +62,66 @@ def flaky_always_right(sample: Sample) -> RewardResult:
     if is_flaky_failure(sample.response_ids):
         raise FlakyRewardError(f"refusing to score a response starting with token {sample.response_ids[:1]}")
     return RewardResult(value=1.0, parts={"correct": 1.0})
+
+
+# ---------------------------------------------------------------- plugins for tests/test_bad_inputs.py
+
+def float_digit_fraction(sample: Sample) -> float:
+    """`digit_fraction` as a plain float, the way TRL-style reward functions return it."""
+    return digit_fraction(sample).value
+
+
+def always_raises(sample: Sample) -> RewardResult:
+    """A reward that raises on every sample."""
+    raise FlakyRewardError("this reward always fails")
+
+
+_NAN_LOSS_CALLS = {"n": 0}
+
+
+def nan_loss(logp, old_logp, advantages, mask, **options):
+    """The plain policy-gradient loss, times NaN on the first `$ROLLWISE_TEST_NAN_CALLS` calls (all when unset)."""
+    import math
+
+    import torch
+
+    _NAN_LOSS_CALLS["n"] += 1
+    limit = int(os.environ.get("ROLLWISE_TEST_NAN_CALLS", "0") or 0)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]
+    per_token = -(logp * adv) * mask
+    poison = limit <= 0 or _NAN_LOSS_CALLS["n"] <= limit
+    return per_token * (math.nan if poison else 1.0), {"clip_frac": torch.tensor(0.0)}
+
+
+def length_bonus(rewards, lengths, group_ids, correct, scale: float = 0.0, **options):
+    """Reward shaping plugin: `rewards + scale * lengths` (0 by default: no change)."""
+    return rewards + scale * lengths
+
+
+# ---- plain-value and misbehaving rewards for tests/test_rewards.py (loaded by name in reward worker processes)
+
+
+def answer_matches(sample: Sample) -> bool:
+    """TRL-style: True when the stripped response equals the reference answer."""
+    return sample.response_text.strip() == (sample.prompt.answer or "")
+
+
+def hang_in_c(sample: Sample) -> float:
+    """The response length as a float; a response containing "hang" runs a C loop (`sum` over a range) that
+    holds the GIL for hours and never returns to the interpreter, so no signal handler can run."""
+    if "hang" in sample.response_text:
+        return float(sum(range(10**15)))
+    return float(len(sample.response_text))
+
+
+def crash_on_request(sample: Sample) -> float:
+    """1.0; the process exits at once (as a segfaulting extension would) when the response contains "crash"."""
+    if "crash" in sample.response_text:
+        os._exit(3)
+    return 1.0
+
+
+def sleep_then_one(sample: Sample) -> float:
+    """1.0 after sleeping `sample.info["sleep_s"]` seconds (0 when unset)."""
+    time.sleep(float(sample.info.get("sleep_s", 0.0)))
+    return 1.0

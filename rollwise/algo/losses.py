@@ -5,7 +5,9 @@
 Advantages `[N]` are broadcast over each row. The per-token loss is NOT masked: reduce it with an
 aggregation (`rollwise.algo.aggregation`), which applies the mask. Every loss accepts `clip_low` and
 `clip_high` (so a trainer can pass its clip options to any of them) and reports at least `clip_frac`
-(trained tokens whose gradient is zeroed or whose weight is truncated, see each entry) and `ratio_mean`.
+(the share the loss acted on: trained tokens whose gradient is zeroed or whose weight is truncated, and
+for `gspo` sequences; see each entry) and `ratio_mean`. With `old_logp` equal to `logp` (one on-policy
+update: one PPO epoch, one minibatch) every ratio is 1 and every `clip_frac` is 0.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def dual_clip(
     For A >= 0 this is `ppo_clip`. For A < 0 the PPO loss is also bounded above by `-clip_c * A`:
     `loss = min(-min(r A, clip(r) A), -clip_c A) = -max(min(r A, clip(r) A), clip_c A)`, so a token whose
     ratio exceeds `clip_c` (> 1) stops pushing its probability down (zero gradient).
-    Metrics: `clip_frac` (PPO clip branch taken), `dual_clip_frac` (the `-clip_c A` bound taken), `ratio_mean`.
+    Metrics: `clip_frac` (trained tokens with zero gradient: the PPO clip branch or the `-clip_c A` bound
+    taken), `dual_clip_frac` (the `-clip_c A` bound alone), `ratio_mean`.
     """
     if clip_c <= 1.0:
         raise ValueError(f"dual_clip needs clip_c > 1, got {clip_c}")
@@ -76,9 +79,10 @@ def dual_clip(
     negative = adv < 0
     loss = torch.where(negative, torch.minimum(ppo, bound), ppo)
     with torch.no_grad():
+        dual = negative & (bound < ppo)  # the two sets are disjoint: a PPO-clipped A < 0 token has r < 1
         metrics = {
-            "clip_frac": masked_mean((clipped < unclipped).float(), mask),
-            "dual_clip_frac": masked_mean((negative & (bound < ppo)).float(), mask),
+            "clip_frac": masked_mean(((clipped < unclipped) | dual).float(), mask),
+            "dual_clip_frac": masked_mean(dual.float(), mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, metrics
@@ -101,8 +105,10 @@ def gspo(
     band (on the side the advantage pushes to) gives zero gradient on all its tokens. Defaults 3e-4 / 4e-4
     are the paper's. With `seq_mean_token_mean` the gradient is exactly the paper's sequence-level one
     (`s_i A_i` times the mean of the row's token score functions).
-    Metrics: `clip_frac` (trained tokens of clipped sequences), `ratio_mean` (mean `s_i` over rows with
-    trained tokens).
+    Metrics: `clip_frac` (sequence level: the mean over rows with trained tokens of the share of the row's
+    trained tokens that are clipped, i.e. the fraction of clipped sequences when advantages are `[N]`),
+    `clip_token_frac` (trained tokens of clipped sequences, the fraction the paper plots), `ratio_mean` (mean
+    `s_i` over rows with trained tokens).
     """
     adv = per_token(advantages, logp)
     seq_ratio = torch.exp(seq_masked_mean((logp - old_logp).detach(), mask))  # [N]
@@ -111,9 +117,12 @@ def gspo(
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.minimum(unclipped, clipped)
     with torch.no_grad():
+        is_clipped = (clipped < unclipped).float()  # [N, T]
+        rows = valid_rows(mask)  # [N]
         metrics = {
-            "clip_frac": masked_mean((clipped < unclipped).float(), mask),
-            "ratio_mean": row_mean(seq_ratio, valid_rows(mask)),
+            "clip_frac": row_mean(seq_masked_mean(is_clipped, mask), rows),
+            "clip_token_frac": masked_mean(is_clipped, mask),
+            "ratio_mean": row_mean(seq_ratio, rows),
         }
     return loss, metrics
 

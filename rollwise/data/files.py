@@ -1,8 +1,16 @@
 """File datasets: JSONL, Parquet and HF `datasets` directories, mapped to `Prompt`s.
 
 Every error names the file, the line (JSONL, 1-based physical lines) or row index (Parquet, HF), the field
-and what was expected. The eval split is `data.eval_path` when given, else a fixed held-out slice chosen with
-a fixed seed; training walks a seeded permutation of the remaining rows, one per epoch.
+and what was expected. Training walks a seeded permutation of its rows, one per epoch.
+
+The held-out split:
+- `data.eval_path` given: all of that file; training is all of `data.path` (minus rows whose chat equals a
+  held-out prompt, counted in `dropped_overlap`). `data.eval_size` does not apply.
+- else: `min(data.eval_size, rows // 4)` rows of `data.path`, picked with a fixed seed (the same for every
+  training seed). A quarter keeps three quarters for training while giving a small file an eval split that
+  measures something (64 rows -> 16 held out; a tenth would give 6). Under 4 rows nothing is held out and
+  training uses every row; such a run must set `eval.n = 0` or give `data.eval_path`
+  (`rollwise.session.encode_eval_prompts` says so).
 """
 
 from __future__ import annotations
@@ -140,21 +148,34 @@ def load_prompts(path: str | Path, cfg: DataConfig) -> list[Prompt]:
     return prompts
 
 
+HELD_OUT_FRACTION_DENOM = 4  # without data.eval_path, at most a quarter of the rows are held out
+
+
 def held_out_size(num_rows: int, eval_size: int) -> int:
-    """Rows held out when there is no eval file: min(eval_size, rows // 10), at least 1."""
-    return max(1, min(eval_size, num_rows // 10))
+    """Rows held out when there is no eval file: min(eval_size, rows // 4); 0 under 4 rows."""
+    return min(eval_size, num_rows // HELD_OUT_FRACTION_DENOM)
 
 
 class FileDataset:
     """Prompts from a file (`data.path`), with a fixed eval split and a seeded order per epoch."""
 
     default_reward = "math"
+    splits = ("prompt",)  # data.split values this source implements (a file's split is by row)
 
     def __init__(self, cfg: DataConfig, seed: int) -> None:
         assert cfg.path is not None, "FileDataset needs data.path"
+        if cfg.split != "prompt":
+            raise DatasetError(
+                f'data.split = "{cfg.split}" applies only to the built-in arith task, not to a file dataset '
+                f"(data.path = {cfg.path}); remove data.split: a file's held-out split is data.eval_path or a "
+                f"fixed slice of its rows"
+            )
         self.name = Path(cfg.path).name
         self.seed = seed
         rows = load_prompts(cfg.path, cfg)
+        self.num_rows = len(rows)
+        self._eval_name = None if cfg.eval_path is None else Path(cfg.eval_path).name
+        self._eval_size = cfg.eval_size
         if cfg.eval_path is not None:
             self._eval, train = load_prompts(cfg.eval_path, cfg), rows
         else:
@@ -163,18 +184,30 @@ class FileDataset:
         self._train = [p for p in train if _chat_key(p) not in eval_chats]
         self.dropped_overlap = len(train) - len(self._train)  # training rows equal to an eval prompt
         if not self._train:
-            raise DatasetError(f"{cfg.path}: no training rows left after removing those equal to eval prompts")
+            raise DatasetError(
+                f"{cfg.path}: no training rows left after removing the {self.dropped_overlap} equal to held-out "
+                f"prompts of {cfg.eval_path or cfg.path}; give a data.eval_path with other prompts"
+            )
         self._perm_epoch = -1
         self._perm: list[int] = []
 
     def _split(self, rows: list[Prompt], cfg: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
-        if len(rows) < 2:
-            raise DatasetError(
-                f"{cfg.path}: {len(rows)} row; need at least 2 to hold out an eval row (or set data.eval_path)"
-            )
+        """(held-out rows, training rows): `held_out_size` rows picked with the fixed eval seed."""
         picked = random.Random(EVAL_SEED).sample(range(len(rows)), held_out_size(len(rows), cfg.eval_size))
         chosen = set(picked)
         return [rows[i] for i in picked], [p for i, p in enumerate(rows) if i not in chosen]
+
+    def split_summary(self) -> str:
+        """What the split is, in one phrase: rows, training rows, held-out rows and why that many."""
+        removed = f" ({self.dropped_overlap} equal to a held-out prompt removed)" if self.dropped_overlap else ""
+        head = f"{self.num_rows} rows in {self.name} -> {len(self._train)} train{removed}, {len(self._eval)} held-out"
+        if self._eval_name is not None:
+            return f"{head} = all of {self._eval_name} (data.eval_path)"
+        if not self._eval:
+            return f"{head} (under {HELD_OUT_FRACTION_DENOM} rows: none held out; give data.eval_path to evaluate)"
+        if len(self._eval) < self._eval_size:
+            return f"{head} (data.eval_size={self._eval_size} capped at a quarter of the rows)"
+        return f"{head} (data.eval_size)"
 
     def _permutation(self, epoch: int) -> list[int]:
         if epoch != self._perm_epoch:
@@ -202,6 +235,11 @@ class FileDataset:
     @property
     def num_train(self) -> int:
         return len(self._train)
+
+    @property
+    def num_eval(self) -> int:
+        """Size of the held-out split (0 for a file under 4 rows without data.eval_path)."""
+        return len(self._eval)
 
 
 def _chat_key(prompt: Prompt) -> tuple[tuple[str, str], ...]:

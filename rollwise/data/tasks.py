@@ -4,7 +4,10 @@ A prompt source gives training prompts by position (0, 1, 2, ... counts prompts 
 continues the same order) and a FIXED held-out evaluation split that does not depend on the training seed.
 
 Built-in tasks draw problems from a seeded RNG. Their evaluation split is drawn first, with a fixed seed; a
-training draw whose text equals an evaluation prompt is redrawn, so the two never share a prompt text.
+training draw whose text equals an evaluation prompt is redrawn, so the two never share a prompt text
+(`data.split = "prompt"`). That split is by prompt TEXT only: the same problem can be trained under another
+phrasing. `arith` also has `data.split = "fact"`: a fixed fifth of its (a, b, op) facts is held out and never
+trained under any phrasing or operand order.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from rollwise.types import Prompt
 
 EVAL_SEED = 1_000_003  # fixed: the held-out split is the same whatever the training seed
 MAX_REDRAWS = 1000  # training draws that may hit the eval split before we give up
+SPLIT_NAMES = {"prompt": "by prompt text", "fact": "by fact"}
 
 
 @runtime_checkable
@@ -53,14 +57,26 @@ def text_uid(task: str, text: str) -> str:
     return f"{task}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
+def check_split(split: str, task: str, supported: tuple[str, ...]) -> None:
+    """ValueError naming `data.split` when the task does not implement that split."""
+    if split not in supported:
+        raise ValueError(
+            f'data.split = "{split}" is not available for task {task!r} (it has: {", ".join(supported)}); '
+            f'only the built-in arith task holds out facts; remove data.split or set data.task = "arith"'
+        )
+
+
 class ProceduralTask:
     """Base of the built-in tasks: subclasses define `draw(rng)` and `num_distinct()`."""
 
     name = "task"
     default_reward = "exact"
+    splits: tuple[str, ...] = ("prompt",)  # data.split values this task implements
 
     def __init__(self, cfg: DataConfig, seed: int) -> None:
+        check_split(cfg.split, self.name, self.splits)
         self.seed = seed
+        self.split = cfg.split
         self.eval_size = cfg.eval_size
 
     def draw(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
@@ -97,17 +113,31 @@ class ProceduralTask:
         """Short description of the problem space, for error messages."""
         return self.name
 
+    def is_held_out(self, text: str, info: dict[str, Any]) -> bool:
+        """Whether a drawn problem belongs to the held-out split (here: its text is an eval prompt)."""
+        return text in self._eval_texts
+
     def train_prompt(self, position: int) -> Prompt:
-        """Training prompt at `position`; never equal in text to an eval prompt."""
+        """Training prompt at `position`; never a held-out problem (`is_held_out`)."""
         if position < 0:
             raise ValueError(f"task {self.name!r}: position must be >= 0, got {position}")
         rng = random.Random(f"{self.name}-train-{self.seed}-{position}")
         for _ in range(MAX_REDRAWS):
             text, answer, info = self.draw(rng)
-            if text not in self._eval_texts:
+            if not self.is_held_out(text, info):
                 source = f"{self.name}:train {position}"
                 return user_prompt(text_uid(self.name, text), text, answer, source, info)
         raise RuntimeError(f"task {self.name!r}: {MAX_REDRAWS} draws in a row hit the eval split")
+
+    @property
+    def num_eval(self) -> int:
+        """Size of the held-out split."""
+        return len(self._eval)
+
+    def split_summary(self) -> str:
+        """The held-out split in one phrase, for the start-of-run data line."""
+        return (f"task {self.name} ({self.describe()}) -> {len(self._eval)} held-out prompts, split by prompt text "
+                f"(data.split=\"prompt\"; a held-out problem may be trained under another phrasing)")
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """First `n` prompts of the fixed held-out split."""
@@ -141,20 +171,124 @@ def arith_phrasings(op: str) -> tuple[str, ...]:
     return GENERIC_PHRASINGS + WORDED_PHRASINGS[op]
 
 
+Fact = tuple[int, int, str]  # (larger operand, smaller operand, op)
+FACT_HOLDOUT_FRACTION = 0.2  # data.split = "fact": share of the facts of each operator held out
+MAX_LISTED_DIGITS = 2  # up to this many digits the facts are listed: exactly 20% held out, eval split ordered
+
+
+def arith_fact(a: int, b: int, op: str) -> Fact:
+    """The fact a problem asks about. `+` and `*` commute, so `3 + 5` and `5 + 3` are one fact (held out
+    together: a model cannot answer a held-out sum by recalling its swapped twin); `-` always has a >= b."""
+    return (max(a, b), min(a, b), op)
+
+
+def fact_score(fact: Fact) -> float:
+    """A fixed pseudo-random number in [0, 1) per fact (from EVAL_SEED only, not the training seed)."""
+    digest = hashlib.sha1(f"arith-fact-{EVAL_SEED}-{fact[2]}-{fact[0]}-{fact[1]}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def facts_of(op: str, digits: int) -> list[Fact]:
+    """Every fact of one operator with `digits`-digit operands: (a, b) with a >= b, 10^d (10^d + 1) / 2 of them."""
+    values = 10**digits
+    return [(a, b, op) for a in range(values) for b in range(a + 1)]
+
+
+def fact_problems(fact: Fact) -> list[tuple[str, int, int]]:
+    """Every (prompt text, a, b) of a fact: each phrasing, and for `+`/`*` with a != b both operand orders."""
+    big, small, op = fact
+    orders = [(big, small)] if op == "-" or big == small else [(big, small), (small, big)]
+    return [(t.format(a=a, b=b, op=op), a, b) for a, b in orders for t in arith_phrasings(op)]
+
+
+def arith_value(a: int, b: int, op: str) -> int:
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
 class ArithTask(ProceduralTask):
-    """Integer arithmetic: `a op b` with `cfg.digits`-digit operands; subtraction results are >= 0."""
+    """Integer arithmetic: `a op b` with `cfg.digits`-digit operands; subtraction results are >= 0.
+
+    `data.split = "prompt"` holds out prompt texts (see ProceduralTask). `data.split = "fact"` holds out
+    FACT_HOLDOUT_FRACTION of the facts of each operator (`arith_fact`), chosen by `fact_score` so the same facts
+    are held out for every training seed and every `data.ops`; training redraws any problem about a held-out
+    fact. Up to MAX_LISTED_DIGITS digits exactly round(20%) of each operator's facts are held out and the eval
+    split lists one phrasing of every held-out fact before a second one of any; above that a fact is held out
+    when its score is below 0.2 and the eval split is drawn at random from those facts.
+    """
 
     name = "arith"
     default_reward = "arith"
+    splits = ("prompt", "fact")
 
     def __init__(self, cfg: DataConfig, seed: int) -> None:
         super().__init__(cfg, seed)
         self.digits = cfg.digits
         self.ops = list(dict.fromkeys(cfg.ops))  # de-duplicated, order kept
-        self._build_eval_split()
+        self._held_facts: set[Fact] | None = None  # listed held-out facts (split "fact", few digits)
+        if self.split == "fact":
+            self._build_fact_split()
+        else:
+            self._build_eval_split()
 
     def describe(self) -> str:
         return f"{self.digits}-digit operands, ops {' '.join(self.ops)}"
+
+    def num_facts(self) -> int:
+        """Distinct facts over all operators (`arith_fact` counts a commuted pair once)."""
+        values = 10**self.digits
+        return len(self.ops) * values * (values + 1) // 2
+
+    def fact_is_held_out(self, fact: Fact) -> bool:
+        """Split "fact": whether training must never see this fact."""
+        if self._held_facts is not None:
+            return fact in self._held_facts
+        return fact_score(fact) < FACT_HOLDOUT_FRACTION
+
+    def is_held_out(self, text: str, info: dict[str, Any]) -> bool:
+        if self.split == "fact":
+            return self.fact_is_held_out(arith_fact(info["a"], info["b"], info["op"]))
+        return super().is_held_out(text, info)
+
+    def _build_fact_split(self) -> None:
+        """Held-out facts, then up to `eval_size` distinct prompt texts about them (all of them when fewer)."""
+        rng = random.Random(f"{self.name}-fact-eval-{EVAL_SEED}")
+        problems: list[tuple[str, int, int, str]] = []  # (text, a, b, op)
+        if self.digits <= MAX_LISTED_DIGITS:
+            self._held_facts = set()
+            for op in self.ops:
+                facts = sorted(facts_of(op, self.digits), key=fact_score)
+                self._held_facts.update(facts[: round(FACT_HOLDOUT_FRACTION * len(facts))])
+            held = sorted(self._held_facts, key=fact_score)  # a fixed order, then shuffled by the eval rng
+            rng.shuffle(held)
+            per_fact = [rng.sample(fact_problems(f), len(fact_problems(f))) for f in held]
+            rounds = max(len(p) for p in per_fact)  # round r: the r-th phrasing of every fact that has one
+            problems = [(*p[r], f[2]) for r in range(rounds) for f, p in zip(held, per_fact) if r < len(p)]
+            problems = problems[: self.eval_size]
+        else:
+            seen: set[str] = set()
+            for _ in range(100 * self.eval_size + 10_000):
+                if len(problems) == self.eval_size:
+                    break
+                text, _, info = self.draw(rng)
+                if text not in seen and self.fact_is_held_out(arith_fact(info["a"], info["b"], info["op"])):
+                    seen.add(text)
+                    problems.append((text, info["a"], info["b"], info["op"]))
+        self._eval = [
+            user_prompt(text_uid(self.name, text), text, str(arith_value(a, b, op)), f"{self.name}:eval {i}",
+                        {"a": a, "b": b, "op": op})
+            for i, (text, a, b, op) in enumerate(problems)
+        ]
+        self._eval_texts = {p[0] for p in problems}
+
+    def split_summary(self) -> str:
+        if self.split != "fact":
+            return super().split_summary()
+        if self._held_facts is not None:
+            held = f"{len(self._held_facts)} of {self.num_facts()} facts"
+        else:
+            held = f"{FACT_HOLDOUT_FRACTION:.0%} of {self.num_facts()} facts"
+        return (f"task {self.name} ({self.describe()}) -> {len(self._eval)} held-out prompts, split by fact "
+                f"(data.split=\"fact\": {held} held out, never trained under any phrasing or operand order)")
 
     def num_distinct(self) -> int:
         values = 10**self.digits
@@ -167,9 +301,8 @@ class ArithTask(ProceduralTask):
         b = rng.randrange(10**self.digits)
         if op == "-" and a < b:
             a, b = b, a
-        value = {"+": a + b, "-": a - b, "*": a * b}[op]
         text = rng.choice(arith_phrasings(op)).format(a=a, b=b, op=op)
-        return text, str(value), {"a": a, "b": b, "op": op}
+        return text, str(arith_value(a, b, op)), {"a": a, "b": b, "op": op}
 
 
 @TASKS.register("arith")
@@ -248,7 +381,13 @@ def letters_task(cfg: DataConfig, seed: int) -> LettersTask:
 
 
 def build_prompt_source(cfg: DataConfig, seed: int) -> PromptSource:
-    """The file dataset at `cfg.path` when set, else the task `cfg.task` (built-in or 'pkg.mod:factory')."""
+    """The file dataset at `cfg.path` when set, else the task `cfg.task` (built-in or 'pkg.mod:factory').
+
+    `data.split` other than "prompt" needs a source that declares it in `splits` (the built-in arith task; a
+    plugin task that implements it sets `splits = ("prompt", "fact")`); any other fails here with a line
+    naming `data.split`. Optional source attributes used by the run: `num_eval` (held-out split size, to cap
+    `eval.n`) and `split_summary()` (the start-of-run data line).
+    """
     if cfg.path is not None:
         from rollwise.data.files import FileDataset
 
@@ -261,4 +400,5 @@ def build_prompt_source(cfg: DataConfig, seed: int) -> PromptSource:
             f"task {cfg.task!r} returned {type(source).__name__}, which lacks {', '.join(missing)}; "
             f"a task factory must return a PromptSource (name, default_reward, train_prompt, eval_prompts)"
         )
+    check_split(cfg.split, cfg.task, tuple(getattr(source, "splits", ("prompt",))))
     return source

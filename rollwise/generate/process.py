@@ -55,13 +55,15 @@ class GenerationProcessError(RuntimeError):
 
 @dataclass
 class TicketResult:
-    """One finished ticket: results in request order, the weight version used, engine stats, wall seconds."""
+    """One finished ticket: results in request order, the weight version used, engine stats, the child's own
+    generation seconds and torch threads (what the rollout MFU is measured over and against)."""
 
     ticket: int
     results: list[GenerationResult]
     version: int
     stats: dict[str, Any]
     generate_s: float
+    threads: int = 0
 
 
 @dataclass
@@ -324,6 +326,10 @@ def _child_main(spec: _ChildSpec, flat, lock, version, stop, requests, results) 
     try:
         _exit_when_parent_dies()
         engine, views = _build_engine(spec, flat, lock, version)
+        if spec.device == "cpu":  # cache the matmul peak of these threads and dtype (the rollout MFU's), idle
+            from rollwise.perf import matmul_peak_gflops
+
+            matmul_peak_gflops(spec.dtype)
         results.put(("ready", os.getpid()))
         _serve(engine, views, lock, version, stop, requests, results)
     except BaseException:
@@ -391,7 +397,8 @@ def _serve(engine, views, lock, version, stop, requests, results) -> None:
         start = time.perf_counter()
         out = engine.generate(reqs)
         seconds = time.perf_counter() - start
-        results.put(("result", ticket, out, engine.version, dataclasses.asdict(engine.stats), seconds))
+        results.put(("result", ticket, out, engine.version, dataclasses.asdict(engine.stats), seconds,
+                     torch.get_num_threads()))
 
 
 def _wait_for_version(version, min_version: int, stop) -> bool:

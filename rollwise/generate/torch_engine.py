@@ -4,7 +4,8 @@
   takes the next waiting request, so no compute is spent on finished rows.
 - Requests with the same context share one prefill: the prompt is encoded once and its KV copied to
   every slot that samples from it (the G samples of a GRPO group).
-- Sampling runs on fp32 logits and returns the behaviour log-probability of each token.
+- Sampling runs on fp32 logits and returns the behaviour log-probability of each token (after top-k / top-p)
+  and its untruncated log-probability (same temperature), which is what the trainer computes.
 - A request can be aborted between tokens and continued later from its tokens (`response_ids`).
 
 The engine keeps its own copy of the weights (possibly in another dtype than the trainer's), updated
@@ -16,13 +17,13 @@ from __future__ import annotations
 import copy
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from rollwise.generate.fused_decode import FusedDecoder
-from rollwise.generate.sampling import sample_tokens
+from rollwise.generate.sampling import sample_with_full_logprobs
 from rollwise.generate.slot_cache import SlotCache
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
 
@@ -37,25 +38,32 @@ class _Sequence:
     start_len: int
     status: Status | None = None
     pending: int = -1  # sampled token not yet written to the cache
+    full_logprobs: list[float] = field(default_factory=list)  # untruncated log-probs of `ids`
 
 
 @dataclass
 class EngineStats:
     """Counters since the last `reset`: tokens sampled, and tokens the model computed (incl. padding)."""
 
-    generated_tokens: int = 0
-    prefill_tokens: int = 0  # real context tokens prefilled
-    computed_tokens: int = 0
+    generated_tokens: int = 0  # tokens sampled
+    prefill_tokens: int = 0  # real context tokens prefilled (a context shared by several requests counts once)
+    prefill_sequences: int = 0  # contexts prefilled (one LM-head row each)
+    computed_tokens: int = 0  # token positions the model ran, padding and idle slots included
     decode_steps: int = 0
-    active_slot_steps: int = 0
+    active_slot_steps: int = 0  # real tokens fed to decode steps (one per active slot and step)
 
     def reset(self) -> None:
         self.__init__()
 
     @property
     def padding_eff(self) -> float:
-        """Real tokens (prefilled context + generated) / tokens computed (with padding and idle slots)."""
-        return (self.prefill_tokens + self.generated_tokens) / max(1, self.computed_tokens)
+        """Real tokens computed (prefilled context + tokens fed to decode steps) / tokens computed (with padding
+        and idle slots); <= 1 by construction.
+
+        Not `generated_tokens`: each sequence's last sampled token is never fed to the model, and the first
+        token of every sample of a shared prefill comes from one context's logits (counting sampled tokens
+        as computed once gave 1.27 for 8 samples x 4 tokens of one prompt)."""
+        return (self.prefill_tokens + self.active_slot_steps) / max(1, self.computed_tokens)
 
 
 class TorchEngine:
@@ -153,6 +161,7 @@ class TorchEngine:
         """Prefill the admitted requests (one forward per distinct context), sample their first token."""
         for seq in admitted:
             seq.ids, seq.logprobs = list(seq.req.response_ids), list(seq.req.response_logprobs)
+            seq.full_logprobs = list(seq.req.response_full_logprobs or seq.req.response_logprobs)
             seq.start_len = len(seq.ids)
             if seq.start_len >= seq.req.params.max_new_tokens:
                 seq.status = Status.TRUNCATED
@@ -171,10 +180,10 @@ class TorchEngine:
         rows = torch.tensor([row_of[c] for c in contexts], dtype=torch.long, device=self.device)  # [A]
         slot_ids = torch.tensor(free[: len(todo)], dtype=torch.long, device=self.device)
         cache.load_prefill(slot_ids, layer_kv, rows, lengths[rows])
-        tokens, logprobs = _sample_rows(logits[rows], [s.req.params for s in todo], generators)
-        for seq, slot, tok, lp in zip(todo, slot_ids.tolist(), tokens, logprobs):
+        tokens, logprobs, full = _sample_rows(logits[rows], [s.req.params for s in todo], generators)
+        for seq, slot, tok, lp, full_lp in zip(todo, slot_ids.tolist(), tokens, logprobs, full):
             slots[slot] = seq
-            self._append(seq, tok, lp)
+            self._append(seq, tok, lp, full_lp)
             if seq.status is not None:
                 results[seq.req.request_id] = self._result(seq)
                 slots[slot] = None
@@ -206,6 +215,7 @@ class TorchEngine:
                 values[layer].append(v)
             self.stats.computed_tokens += ids.numel()
             self.stats.prefill_tokens += int(attn.sum())
+            self.stats.prefill_sequences += len(chunk)
         layer_kv = [(torch.cat(keys[i]), torch.cat(values[i])) for i in range(self._layers)]
         lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=self.device)
         return torch.cat(logits), layer_kv, lengths
@@ -241,19 +251,20 @@ class TorchEngine:
         self.stats.computed_tokens += len(active) if self.fused is not None else cache.slots
         self.stats.decode_steps += 1
         self.stats.active_slot_steps += len(active)
-        tokens, logprobs = _sample_rows(logits, [slots[i].req.params for i in active], generators)
-        for i, tok, lp in zip(active, tokens, logprobs):
+        tokens, logprobs, full = _sample_rows(logits, [slots[i].req.params for i in active], generators)
+        for i, tok, lp, full_lp in zip(active, tokens, logprobs, full):
             seq = slots[i]
-            self._append(seq, tok, lp)
+            self._append(seq, tok, lp, full_lp)
             if seq.status is not None:
                 results[seq.req.request_id] = self._result(seq)
                 slots[i] = None
                 cache.lengths[i] = 0
 
-    def _append(self, seq: _Sequence, token: int, logprob: float) -> None:
-        """Record a sampled token and decide whether the sequence stops here."""
+    def _append(self, seq: _Sequence, token: int, logprob: float, full_logprob: float) -> None:
+        """Record a sampled token (behaviour and untruncated log-probs) and decide whether the sequence stops here."""
         seq.ids.append(token)
         seq.logprobs.append(logprob)
+        seq.full_logprobs.append(full_logprob)
         seq.pending = token
         self.stats.generated_tokens += 1
         params = seq.req.params
@@ -277,7 +288,8 @@ class TorchEngine:
         text = self.tokenizer.decode(seq.ids, skip_special_tokens=True)
         if seq.status == Status.COMPLETED and seq.req.params.stop:
             text = _cut_at_stop(text, seq.req.params.stop)
-        return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text)
+        return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text,
+                                full_logprobs=seq.full_logprobs)
 
 
 class _Results(dict):
@@ -293,19 +305,20 @@ class _Results(dict):
             self.on_finish(result)
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: dict) -> tuple[list, list]:
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: dict) -> tuple[list, list, list]:
     """Sample one token per row of logits [A, V], each row under its request's params (rows with equal
-    params are sampled together, in row order). Returns (tokens, logprobs) as lists of length A."""
-    tokens, logprobs = [0] * len(params), [0.0] * len(params)
+    params are sampled together, in row order). Returns (tokens, behaviour logprobs, untruncated logprobs)
+    as lists of length A."""
+    tokens, logprobs, full_logprobs = [0] * len(params), [0.0] * len(params), [0.0] * len(params)
     by_params: dict[SamplingParams, list[int]] = {}
     for row, p in enumerate(params):
         by_params.setdefault(p, []).append(row)
     for p, rows in by_params.items():
         picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
-        tok, lp = sample_tokens(picked.float(), p.temperature, p.top_k, p.top_p, generators[p])
-        for row, t, l in zip(rows, tok.tolist(), lp.tolist()):
-            tokens[row], logprobs[row] = t, l
-    return tokens, logprobs
+        tok, lp, full = sample_with_full_logprobs(picked.float(), p.temperature, p.top_k, p.top_p, generators[p])
+        for row, t, l, f in zip(rows, tok.tolist(), lp.tolist(), full.tolist()):
+            tokens[row], logprobs[row], full_logprobs[row] = t, l, f
+    return tokens, logprobs, full_logprobs
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

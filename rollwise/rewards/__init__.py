@@ -1,16 +1,24 @@
-"""Rewards: `RewardFn(sample) -> RewardResult`, the `REWARDS` registry and scoring with counted failures.
+"""Rewards: `RewardFn(sample) -> RewardResult | float | int | bool`, the `REWARDS` registry and scoring with
+counted failures (time limits and what they can stop: `rollwise.rewards.scoring`).
 
-    fn = build_reward_fn(cfg.reward, source.default_reward)   # or REWARDS.get("math")
-    metrics = score_samples(samples, fn)                        # sets reward, parts, correct; FAILED on error
+    fn = build_reward_fn(cfg.reward, source.default_reward)   # or REWARDS.get("math"); IsolatedReward if isolate
+    metrics = score_samples(samples, fn, cfg.reward.timeout_s)  # sets reward, parts, correct; FAILED on error
+    guard = RewardFailureGuard(cfg.reward.max_failed_steps)    # raises when every reward fails N steps in a row
 """
 
+from rollwise.rewards.isolate import IsolatedReward, RewardWorkerError
 from rollwise.rewards.scoring import (
     DEFAULT_TIMEOUT_S,
+    RemoteRewardError,
     RewardFailure,
+    RewardFailureGuard,
+    RewardsFailingError,
     RewardTimeout,
+    as_result,
     build_reward_fn,
     get_reward_fn,
     reward_metrics,
+    score_batch,
     score_sample,
     score_samples,
 )
@@ -19,14 +27,21 @@ from rollwise.rewards.verifiers import REWARDS, RewardFn, final_integer, final_n
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "REWARDS",
+    "IsolatedReward",
+    "RemoteRewardError",
     "RewardFailure",
+    "RewardFailureGuard",
     "RewardFn",
     "RewardTimeout",
+    "RewardWorkerError",
+    "RewardsFailingError",
+    "as_result",
     "build_reward_fn",
     "final_integer",
     "final_number",
     "get_reward_fn",
     "reward_metrics",
+    "score_batch",
     "score_sample",
     "score_samples",
 ]

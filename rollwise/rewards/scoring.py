@@ -1,17 +1,44 @@
 """Score samples with a reward function: failures are marked and counted, never scored 0.
 
-Scoring runs in the calling thread: math-verify's timeouts (and ours) use SIGALRM, which only works in the
-main thread. Our per-sample limit is a SIGALRM timer where possible, plus a check of the elapsed time; a
-math-verify call inside the reward function replaces that timer with its own (bounded) one.
+A reward function takes a `Sample` and returns a `RewardResult(value, parts, error)`, or just the value: a
+float, an int or a bool (as TRL-style rewards do; numpy scalars and 0-d tensors too). A bool scores 1.0 / 0.0
+with part `correct`; for a number, `correct` is `value > 0` unless a `correct` part says otherwise. NaN / Inf,
+a raised exception or a set `error` mark the sample FAILED with a one-line `reward_error` and the full
+`reward_traceback`; it is counted in `reward/errors` and left out of the statistics and the update.
+
+Time limit (`reward.timeout_s`, default 20 s). In-process scoring (the default) arms a SIGALRM timer around each
+call (main thread only; math-verify inside the reward replaces it with its own bounded timer) and also checks
+the elapsed time afterwards. The alarm raises `RewardTimeout` at the next point where the interpreter runs
+Python signal handlers, so it stops:
+
+- Python code: loops, recursion, sympy / math-verify work, `time.sleep`;
+- blocking system calls that return on a signal: sockets, pipes, subprocess waits, `libc.sleep`;
+- C code that checks for signals itself, such as `re` matching (catastrophic backtracking included).
+
+It cannot stop, in-process:
+
+- one long C call that never returns to the interpreter: a builtin looping in C (`sum(range(10**12))`), big-int
+  or huge-string arithmetic, a C extension (numpy, a solver, a tokenizer) that does not check signals, C code
+  that blocks SIGALRM; the call is marked failed (over the limit) only once it returns, which may be never;
+- a reward that catches the `RewardTimeout` itself (`except BaseException:` / bare `except:`) and carries on;
+  it is marked failed by the elapsed-time check when it returns;
+- scoring outside the main thread: no timer there, only the check after the call.
+
+`reward.isolate = true` runs the reward in a worker process (`rollwise.rewards.isolate.IsolatedReward`) that is
+killed (SIGKILL) `KILL_GRACE_S` after `timeout_s` and replaced by a fresh one; that stops everything above.
+
+A run where every reward of `reward.max_failed_steps` steps in a row failed stops: `RewardFailureGuard`.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import signal
 import statistics
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -19,7 +46,7 @@ from rollwise.config import RewardConfig
 from rollwise.rewards.verifiers import REWARDS, RewardFn
 from rollwise.types import RewardResult, Sample, Status
 
-DEFAULT_TIMEOUT_S = 20.0
+DEFAULT_TIMEOUT_S = 20.0  # RewardConfig.timeout_s's default, for callers without a config
 MAX_ERROR_CHARS = 200
 
 
@@ -29,6 +56,22 @@ class RewardTimeout(TimeoutError):
 
 class RewardFailure(RuntimeError):
     """The reward function returned something unusable, or set `RewardResult.error`."""
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward function failed in a worker process: `text` is its one-line error, `traceback_text` its trace."""
+
+    def __init__(self, text: str, traceback_text: str) -> None:
+        super().__init__(text)
+        self.text, self.traceback_text = text, traceback_text
+
+
+class RewardsFailingError(RuntimeError):
+    """Every reward of `reward.max_failed_steps` steps in a row failed; `.traceback` is the first failure's."""
+
+    def __init__(self, message: str, traceback_text: str | None) -> None:
+        super().__init__(message)
+        self.traceback = traceback_text
 
 
 @contextmanager
@@ -58,55 +101,130 @@ def time_limit(timeout_s: float | None) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, remaining, old_interval)
 
 
-def checked_result(result: Any) -> RewardResult:
-    """`result` if it is a usable RewardResult; RewardFailure / TypeError otherwise."""
-    if not isinstance(result, RewardResult):
-        raise TypeError(f"reward function returned {type(result).__name__}, expected RewardResult")
-    if result.error is not None:
-        raise RewardFailure(str(result.error))
-    if isinstance(result.value, bool) or not isinstance(result.value, (int, float)) or not math.isfinite(result.value):
-        raise ValueError(f"reward value {result.value!r} is not a finite number")
-    for name, part in result.parts.items():
-        if isinstance(part, bool) or not isinstance(part, (int, float)) or not math.isfinite(part):
-            raise ValueError(f"reward part {name!r} = {part!r} is not a finite number")
-    return result
+def _unwrap_scalar(value: Any) -> Any:
+    """A numpy scalar or 0-d array / tensor as the Python number it holds; anything else unchanged."""
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        return value.item()
+    return value
+
+
+def as_number(value: Any, what: str) -> float:
+    """`value` as a finite float: bool -> 1.0 / 0.0, any real number (numpy's too); TypeError / ValueError else.
+
+    `what` names the value in the error ("reward value", "reward part 'format' =")."""
+    value = _unwrap_scalar(value)
+    if not isinstance(value, numbers.Real):  # int, float, bool, numpy numbers, Fraction, sympy's numbers
+        raise TypeError(f"{what} is {type(value).__name__}, expected a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{what} {number!r} is not a finite number")
+    return number
+
+
+def as_result(returned: Any) -> RewardResult:
+    """What a reward function returned, as a checked RewardResult of finite floats.
+
+    RewardResult: checked (`error` set -> RewardFailure). bool: value 1.0 / 0.0, part `correct` the same.
+    int / float / numpy scalar: the value, no parts. Anything else: TypeError. Non-finite: ValueError."""
+    if isinstance(returned, RewardResult):
+        if returned.error is not None:
+            raise RewardFailure(str(returned.error))
+        if not isinstance(returned.parts, dict):
+            raise TypeError(f"RewardResult.parts is {type(returned.parts).__name__}, expected a dict of numbers")
+        value = as_number(returned.value, "reward value")
+        parts = {str(name): as_number(part, f"reward part {name!r} =") for name, part in returned.parts.items()}
+        return RewardResult(value=value, parts=parts)
+    scalar = _unwrap_scalar(returned)
+    if isinstance(scalar, bool):
+        return RewardResult(value=float(scalar), parts={"correct": float(scalar)})
+    if not isinstance(scalar, numbers.Real):
+        raise TypeError(f"reward function returned {type(returned).__name__}, expected a number, a bool or RewardResult")
+    return RewardResult(value=as_number(scalar, "reward value"))
 
 
 def call_reward(fn: RewardFn, sample: Sample, timeout_s: float | None) -> RewardResult:
-    """Run `fn(sample)` under the time limit and check what it returned."""
+    """Run `fn(sample)` under the time limit (in this process) and check what it returned."""
     start = time.monotonic()
     with time_limit(timeout_s):
         result = fn(sample)
     elapsed_s = time.monotonic() - start
     if timeout_s and elapsed_s > timeout_s:
         raise RewardTimeout(f"reward function took {elapsed_s:.1f} s, over the {timeout_s} s limit")
-    return checked_result(result)
+    return as_result(result)
+
+
+def error_text(exc: BaseException) -> str:
+    """'Type: message' of a reward failure (the worker's own text for one that failed in a worker)."""
+    return exc.text if isinstance(exc, RemoteRewardError) else f"{type(exc).__name__}: {exc}"
 
 
 def _error_message(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
+    text = error_text(exc)
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
-def score_sample(sample: Sample, fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
-    """Set the sample's reward, parts and `correct`; on failure mark it FAILED. True when it was scored."""
-    try:
-        result = call_reward(fn, sample, timeout_s)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # math-verify's TimeoutException derives from BaseException
-        sample.status = Status.FAILED
-        sample.reward, sample.reward_parts, sample.correct = None, {}, None
-        sample.reward_error = _error_message(exc)
-        return False
+def traceback_text(exc: BaseException) -> str:
+    """The full traceback of a reward failure (the worker's for one that failed in a worker)."""
+    if isinstance(exc, RemoteRewardError):
+        return exc.traceback_text
+    return "".join(traceback.format_exception(exc))
+
+
+def mark_failed(sample: Sample, exc: BaseException) -> None:
+    """Mark the sample FAILED: no reward, a one-line `reward_error` and the full `reward_traceback`."""
+    sample.status = Status.FAILED
+    sample.reward, sample.reward_parts, sample.correct = None, {}, None
+    sample.reward_error = _error_message(exc)
+    sample.reward_traceback = traceback_text(exc)
+
+
+def apply_result(sample: Sample, result: RewardResult) -> None:
+    """Set the sample's reward, parts and `correct` (part `correct` > 0.5 if present, else reward > 0)."""
     sample.reward = float(result.value)
     sample.reward_parts = {k: float(v) for k, v in result.parts.items()}
-    sample.reward_error = None
+    sample.reward_error, sample.reward_traceback = None, None
     if "correct" in sample.reward_parts:
         sample.correct = sample.reward_parts["correct"] > 0.5
     else:
         sample.correct = sample.reward > 0
-    return True
+
+
+def is_isolated(fn: Any) -> bool:
+    from rollwise.rewards.isolate import IsolatedReward
+
+    return isinstance(fn, IsolatedReward)
+
+
+def score_sample(sample: Sample, fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
+    """Set the sample's reward, parts and `correct`; on failure mark it FAILED. True when it was scored."""
+    return bool(score_batch([sample], fn, timeout_s))
+
+
+def score_batch(samples: list[Sample], fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[Sample]:
+    """Score every sample (in the calling thread, or in `fn`'s worker processes); return those scored.
+
+    An `IsolatedReward` with several workers scores samples in parallel; `timeout_s` holds per sample."""
+    if is_isolated(fn):
+        outcomes = fn.score_many(samples, timeout_s)  # raises only when a worker cannot load the reward
+    else:
+        outcomes = [_call_in_process(fn, s, timeout_s) for s in samples]
+    scored = []
+    for sample, outcome in zip(samples, outcomes):
+        if isinstance(outcome, RewardResult):
+            apply_result(sample, outcome)
+            scored.append(sample)
+        else:
+            mark_failed(sample, outcome)
+    return scored
+
+
+def _call_in_process(fn: RewardFn, sample: Sample, timeout_s: float | None) -> RewardResult | BaseException:
+    try:
+        return call_reward(fn, sample, timeout_s)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # math-verify's TimeoutException derives from BaseException
+        return exc
 
 
 def reward_metrics(scored: list[Sample], num_samples: int) -> dict[str, float]:
@@ -127,9 +245,52 @@ def reward_metrics(scored: list[Sample], num_samples: int) -> dict[str, float]:
 
 
 def score_samples(samples: list[Sample], fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict[str, float]:
-    """Score every sample in the calling thread; return `reward/` metrics (mean/std/accuracy omitted if none scored)."""
-    scored = [s for s in samples if score_sample(s, fn, timeout_s)]
-    return reward_metrics(scored, len(samples))
+    """Score every sample (see `score_batch`); return `reward/` metrics (mean/std/accuracy omitted if none scored)."""
+    return reward_metrics(score_batch(samples, fn, timeout_s), len(samples))
+
+
+class RewardFailureGuard:
+    """Stops a run whose rewards all fail: `observe` raises RewardsFailingError once every reward of
+    `max_failed_steps` steps in a row failed (`reward.max_failed_steps`). A step in which one sample was scored
+    resets the count; a step with no samples leaves it as it is. The error quotes the streak's first failure.
+
+    State (`state_dict` / `load_state_dict`): the streak and its first failure, so a resumed run keeps counting.
+    """
+
+    def __init__(self, max_failed_steps: int) -> None:
+        if max_failed_steps < 1:
+            raise ValueError(f"reward.max_failed_steps must be at least 1, got {max_failed_steps}")
+        self.max_failed_steps = max_failed_steps
+        self.streak = 0
+        self.first_error: str | None = None
+        self.first_traceback: str | None = None
+
+    def observe(self, step: int, samples_scored: int, samples_failed: int,
+                first_failed_sample: Sample | None) -> None:
+        """Count step `step`: `samples_scored` rewards succeeded, `samples_failed` failed (the first of them
+        `first_failed_sample`). Raises RewardsFailingError when the streak of all-failed steps reaches the limit."""
+        if samples_scored > 0:
+            self.streak, self.first_error, self.first_traceback = 0, None, None
+            return
+        if samples_failed == 0:
+            return
+        if self.streak == 0:
+            sample = first_failed_sample
+            self.first_error = (sample.reward_error if sample is not None else None) or "unknown reward error"
+            self.first_traceback = sample.reward_traceback if sample is not None else None
+        self.streak += 1
+        if self.streak >= self.max_failed_steps:
+            raise RewardsFailingError(
+                f"reward: every reward failed for {self.streak} steps in a row (step {step}): {self.first_error}; "
+                "fix reward.fn (the traceback of that first failure follows)",
+                self.first_traceback)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streak": self.streak, "first_error": self.first_error, "first_traceback": self.first_traceback}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak = int(state.get("streak", 0))
+        self.first_error, self.first_traceback = state.get("first_error"), state.get("first_traceback")
 
 
 def get_reward_fn(name: str) -> RewardFn:
@@ -140,19 +301,30 @@ def get_reward_fn(name: str) -> RewardFn:
     return fn
 
 
-def build_reward_fn(cfg: RewardConfig, default_reward: str) -> RewardFn:
-    """The configured reward (`reward.fn`, else the prompt source's default), plus `format_weight` * format part."""
-    fn = get_reward_fn(cfg.fn or default_reward)
-    weight = cfg.format_weight
-    if weight == 0.0:
-        return fn
+def with_format_weight(fn: RewardFn, weight: float) -> RewardFn:
+    """`fn` plus `weight` x its `format` part (0 when absent, as for plain-number rewards)."""
 
     def with_format(sample: Sample) -> RewardResult:
-        result = fn(sample)
-        if not isinstance(result, RewardResult) or result.error is not None:
-            return result
-        bonus = weight * float(result.parts.get("format", 0.0))
-        return RewardResult(value=result.value + bonus, parts=dict(result.parts), error=None)
+        returned = fn(sample)
+        if isinstance(returned, RewardResult) and returned.error is not None:
+            return returned
+        result = as_result(returned)
+        bonus = weight * result.parts.get("format", 0.0)
+        return RewardResult(value=result.value + bonus, parts=result.parts, error=None)
 
     with_format.__name__ = f"{getattr(fn, '__name__', 'reward')}_with_format"
     return with_format
+
+
+def build_reward_fn(cfg: RewardConfig, default_reward: str) -> RewardFn:
+    """The configured reward (`reward.fn`, else the prompt source's default), plus `format_weight` * format part.
+
+    With `reward.isolate`, an `IsolatedReward` (worker process; call `.close()` at the end of the run) that
+    loads the reward by name in the worker; the name is resolved here first, so a typo fails at once."""
+    name = cfg.fn or default_reward
+    fn = get_reward_fn(name)
+    if cfg.isolate:
+        from rollwise.rewards.isolate import IsolatedReward
+
+        return IsolatedReward(name, cfg.format_weight, timeout_s=cfg.timeout_s)
+    return fn if cfg.format_weight == 0.0 else with_format_weight(fn, cfg.format_weight)

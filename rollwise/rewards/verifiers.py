@@ -15,7 +15,7 @@ from typing import Callable
 from rollwise.registry import Registry
 from rollwise.types import RewardResult, Sample
 
-RewardFn = Callable[[Sample], RewardResult]
+RewardFn = Callable[[Sample], "RewardResult | float | int | bool"]  # plain values: see rewards/scoring.py
 REWARDS: Registry[RewardFn] = Registry("reward")
 
 MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own signal-based limit per parse / comparison (main thread only)

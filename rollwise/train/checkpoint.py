@@ -12,6 +12,7 @@ directory it leaves is removed by the next `latest_checkpoint` or `save_checkpoi
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -50,17 +51,67 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root)
     name = f"step-{step}"
+    _check_finite(model, name)
+    needed = estimate_bytes(model, trainer_state)
     tmp = root / f".{name}.tmp-{os.getpid()}"
+    if shutil.disk_usage(root).free < needed:
+        raise _disk_full(root / name, needed, shutil.disk_usage(root).free)
     with _saving_now():
         try:
             _write_checkpoint(tmp, step, model, tokenizer, trainer_state)
             publish_dir(tmp, root / name, root / f".{name}.old-{os.getpid()}")
+        except Exception as exc:
+            # safetensors and torch.save report ENOSPC in their own words ("os error 28", "unexpected pos"):
+            # a write that failed with the disk (nearly) full counts as a full disk
+            free = shutil.disk_usage(root).free
+            if not (is_disk_full(exc) or free < MIN_FREE_BYTES):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _disk_full(root / name, needed, shutil.disk_usage(root).free) from exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         write_text_atomic(root / LATEST, name + "\n")
         if keep > 0:
             _prune(root, keep)
     return root / name
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written (disk full) or would hold non-finite weights; nothing was replaced."""
+
+
+MIN_FREE_BYTES = 1 << 20  # a write that fails with less than this free failed for want of space
+
+
+def _disk_full(path: Path, needed: int, free: int) -> "CheckpointError":
+    return CheckpointError(
+        f"disk full: checkpoint {path} needs about {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free; "
+        "the previous checkpoint and 'latest' are intact. Free space (or set run.keep_checkpoints) and "
+        "resume with --resume")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for "no space left" (or over quota / file-size limit), whichever library raised it."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
+
+
+def estimate_bytes(model, trainer_state: dict) -> int:
+    """Bytes a checkpoint will take, roughly: the weights as saved plus the optimizer's tensors."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    optimizer = trainer_state.get("optimizer", {}).get("state", {})
+    moments = sum(v.numel() * v.element_size() for st in optimizer.values() for v in st.values()
+                  if isinstance(v, torch.Tensor))
+    return weights + moments
+
+
+def _check_finite(model, name: str) -> None:
+    for key, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"refusing to write checkpoint {name}: weight {key} holds NaN/Inf "
+                                  "(the previous checkpoint and 'latest' are unchanged)")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

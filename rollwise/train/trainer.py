@@ -72,6 +72,8 @@ class Trainer:
         if self.value_head is not None:  # a fresh layer: its own, larger learning rate
             params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})
         self.updates = 0  # optimizer steps so far: seeds the stochastic loss entries
+        self.nonfinite_streak = 0  # RL steps in a row with an optimizer step skipped for NaN/Inf
+        self._nonfinite_loss = False  # set by `_backward` when a micro-batch loss is NaN/Inf
         self.optimizer = torch.optim.AdamW(  # fused: one kernel per step instead of one per op and tensor
             params, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay, eps=1e-8,
             fused=self.device_type in ("cpu", "cuda"),
@@ -83,29 +85,34 @@ class Trainer:
             return torch.autocast(self.device_type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+    def _micro_batches(self, samples: list[Sample], version: int | None = None) -> list[MicroBatch]:
         share = self.cfg.share_prompt
         groups = split_by_tokens(samples, self.cfg.micro_batch_tokens, share_prompt=share)
-        return [collate(g, self.pad_id, share_prompt=share) for g in groups]
+        return [collate(g, self.pad_id, share_prompt=share, version=version) for g in groups]
 
     @torch.no_grad()
     def _frozen_logprobs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         with self._autocast():
             return [token_logprobs(model, mb, self.temperature, with_entropy=False)[0] for mb in mbs]
 
-    def step(self, samples: list[Sample]) -> dict[str, float]:
-        """One RL update on `samples` (advantages already set). Returns `train/*` and `mismatch/*`."""
+    def step(self, samples: list[Sample], version: int | None = None) -> dict[str, float]:
+        """One RL update on `samples` (advantages already set). Returns `train/*` and `mismatch/*`.
+
+        `version` is the policy version the trainer holds (the weights before this update): `mismatch/*`
+        measures the numerical gap on tokens that version generated and reports older ones as stale; None
+        counts every token as current."""
         self.model.train()
         minibatches = _split(samples, self.cfg.minibatches_per_epoch)
         single_update = self.cfg.ppo_epochs == 1 and len(minibatches) == 1
         from_engine = self.cfg.old_logprobs == "behaviour"
-        plans = [self._micro_batches(mb) for mb in minibatches]
+        plans = [self._micro_batches(mb, version) for mb in minibatches]
         old = None if from_engine or single_update else [self._frozen_logprobs(self.model, p) for p in plans]
         ref = None
         if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and self.ref_model is not None:
             ref = [self._frozen_logprobs(self.ref_model, p) for p in plans]
         critic = [self._critic_targets(p) for p in plans] if self.value_head is not None else None
         acc = _Accumulator()
+        skipped = 0
         for epoch in range(self.cfg.ppo_epochs):
             for k, plan in enumerate(plans):
                 norms = algo.batch_normalisers([mb.loss_mask for mb in plan])
@@ -116,21 +123,37 @@ class Trainer:
                     self._backward(mb, norms, old_logp, None if ref is None else ref[k][j], acc, measure,
                                    None if old is None else old[k][j], None if critic is None else critic[k][j],
                                    seed=self.updates * 1000 + j)
-                params = [p for group in self.optimizer.param_groups for p in group["params"]]
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-                acc.add("train/grad_norm", float(grad_norm), 1.0)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.updates += 1
+                skipped += not self._optimizer_step(acc)
         self.scheduler.step()
+        self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+        check_finite_weights(self.model, where="after the update")
         out = acc.means()
+        out["train/nonfinite_steps"] = float(skipped)  # optimizer steps skipped for a NaN/Inf loss or gradient
+        out["train/nonfinite_streak"] = float(self.nonfinite_streak)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         out["train/optimizer_steps"] = float(self.cfg.ppo_epochs * len(plans))
         real = sum(mb.real_tokens for p in plans for mb in p)
         computed = sum(mb.computed_tokens for p in plans for mb in p)
         out["train/tokens"] = float(real * self.cfg.ppo_epochs)
         out["perf/train_padding_eff"] = real / max(1, computed)
+        passes = {"update": self.cfg.ppo_epochs, "old_logprobs": old is not None, "reference": ref is not None,
+                  "critic": critic is not None}  # passes over the batch this step ran (perf.py counts their FLOPs)
+        out.update({f"train/passes/{k}": float(v) for k, v in passes.items()})
         return out
+
+    def _optimizer_step(self, acc: "_Accumulator") -> bool:
+        """Clip and apply the accumulated gradients; False (nothing applied) when the loss or gradient norm
+        of this minibatch is NaN/Inf: weights and optimizer state stay as they were."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        acc.add("train/grad_norm", grad_norm, 1.0)
+        finite = math.isfinite(grad_norm) and not self._nonfinite_loss
+        self._nonfinite_loss = False
+        if finite:
+            self.optimizer.step()
+            self.updates += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return finite
 
     def kl_penalties(self, samples: list[Sample]) -> list[float]:
         """`algo.kl_in_reward`: per-sample summed KL penalty `-kl_coef * sum_t k(behaviour, ref)`, in order."""
@@ -185,6 +208,7 @@ class Trainer:
             loss = loss + self.algo.vf_coef * self.objective.aggregate(per_token, mask, norms)
             metrics.update({f"value/{k}": float(v) for k, v in value_metrics.items()})
         loss.backward()
+        self._nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
         w = float(mask.sum())
         acc.add("train/loss", float(loss.detach()) * norms["num_tokens"] / max(w, 1), w)
         acc.add("train/entropy", float((entropy.detach() * mask).sum()) / max(w, 1), w)
@@ -195,13 +219,44 @@ class Trainer:
 
     @staticmethod
     def _mismatch(trainer_logp: torch.Tensor, mb: MicroBatch, acc: "_Accumulator") -> None:
-        mask = mb.loss_mask
-        w = float(mask.sum())
-        diff = (trainer_logp - mb.behaviour_logp) * mask  # [B, T]
-        k3 = algo.kl("k3", mb.behaviour_logp, trainer_logp) * mask  # KL(behaviour || trainer) estimate
-        acc.add("mismatch/logprob_abs_diff_mean", float(diff.abs().sum()) / max(w, 1), w)
-        acc.add("mismatch/k3", float(k3.sum()) / max(w, 1), w)
-        acc.add("mismatch/logprob_abs_diff_max", float(diff.abs().max()), 0.0)
+        """Engine vs trainer log-probs of the same tokens, before any update of this step (trainer_logp [B, T]).
+
+        Like is compared with like: the trainer's log-probs against the engine's untruncated ones
+        (`full_logp`, same temperature, no top-k / top-p), so truncation does not count as drift.
+        - numerical gap, on tokens of the trainer's own version (`mb.current`): `logprob_abs_diff_mean`,
+          `logprob_abs_diff_max`, `k3` (KL(engine || trainer) estimate); absent when no token is current;
+        - staleness, on older tokens (partial rollouts, async, replay), where the weights differ too:
+          `stale_logprob_abs_diff_mean` (absent when none) and `stale_token_frac` of the trained tokens;
+        - truncation, on every trained token: `truncation_logprob_gap_mean` = mean(behaviour - full) >= 0,
+          i.e. -log of the probability mass top-k / top-p kept.
+        """
+        mask = mb.loss_mask  # [B, T]
+        current = mask * mb.current  # [B, T]
+        stale = mask - current  # [B, T]
+        w, w_current, w_stale = float(mask.sum()), float(current.sum()), float(stale.sum())
+        diff = (trainer_logp - mb.full_logp).abs()  # [B, T]
+        if w_current > 0:
+            k3 = algo.kl("k3", mb.full_logp, trainer_logp) * current  # [B, T]
+            acc.add("mismatch/logprob_abs_diff_mean", float((diff * current).sum()) / w_current, w_current)
+            acc.add("mismatch/k3", float(k3.sum()) / w_current, w_current)
+            acc.add("mismatch/logprob_abs_diff_max", float((diff * current).max()), 0.0)
+        if w_stale > 0:
+            acc.add("mismatch/stale_logprob_abs_diff_mean", float((diff * stale).sum()) / w_stale, w_stale)
+        if w > 0:
+            gap = (mb.behaviour_logp - mb.full_logp) * mask  # [B, T]
+            acc.add("mismatch/stale_token_frac", w_stale / w, w)
+            acc.add("mismatch/truncation_logprob_gap_mean", float(gap.sum()) / w, w)
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN/Inf: a loss or gradient for too many steps in a row, or the weights themselves."""
+
+
+def check_finite_weights(model, where: str) -> None:
+    """Raise NonFiniteError naming the first parameter that holds a NaN or Inf."""
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            raise NonFiniteError(f"parameter {name} holds NaN/Inf {where}; lower train.lr or check the loss")
 
 
 def _store_linears_in(model, dtype: torch.dtype) -> None:

@@ -1,0 +1,59 @@
+"""Resolve every registry name in a config before any work: built-in names and `pkg.module:fn` plugins.
+
+`resolve_names(cfg)` looks up (and, for plugins, imports) each name the run will use, and checks the
+options given for it, so `rollwise train --dry-run` fails on a typo with the list of valid names instead
+of a traceback after the model has loaded and the first evaluation has run.
+"""
+
+from __future__ import annotations
+
+from rollwise.config import Config, ConfigError
+
+
+def _lookup(registry, name: str, key: str, extra: tuple[str, ...] = ()):
+    """The entry `name` of `registry`; ConfigError naming `key` and the valid names otherwise."""
+    try:
+        entry = registry.get(name)
+    except (KeyError, ValueError) as exc:
+        valid = ", ".join(sorted([*registry.names(), *extra]))
+        reason = str(exc.args[0]) if exc.args else str(exc)
+        if ":" in name:  # a plugin that did not import: the loader's reason says why
+            raise ConfigError(f"{key} = {name!r}: {reason}") from None
+        raise ConfigError(f"{key} = {name!r} is not a known {registry.kind}; valid: {valid} "
+                          "(or a plugin 'package.module:function')") from None
+    if not callable(entry):
+        raise ConfigError(f"{key} = {name!r} is a {type(entry).__name__}, not a function")
+    return entry
+
+
+def _options(registry, name: str, options: dict, key: str) -> None:
+    from rollwise.train.objective import check_options
+
+    try:
+        check_options(registry, name, options, key)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def resolve_names(cfg: Config) -> None:
+    """Check every name in `cfg` against its registry (importing plugins); ConfigError on the first bad one."""
+    from rollwise import algo
+    from rollwise.data.tasks import TASKS
+    from rollwise.rewards.verifiers import REWARDS
+
+    a = cfg.algo
+    if a.advantage not in algo.TOKEN_ADVANTAGES.names():
+        _lookup(algo.ADVANTAGES, a.advantage, "algo.advantage", extra=tuple(algo.TOKEN_ADVANTAGES.names()))
+    _lookup(algo.POLICY_LOSSES, a.loss, "algo.loss")
+    _options(algo.POLICY_LOSSES, a.loss, {"clip_low": a.clip_low, "clip_high": a.clip_high, **a.loss_options},
+             "algo.loss_options")
+    _lookup(algo.AGGREGATIONS, a.aggregation, "algo.aggregation")
+    _lookup(algo.KL_ESTIMATORS, a.kl_estimator, "algo.kl_estimator")
+    _lookup(algo.IS_CORRECTIONS, a.is_correction, "algo.is_correction")
+    _options(algo.IS_CORRECTIONS, a.is_correction, dict(a.is_options), "algo.is_options")
+    for name, options in a.shaping.items():
+        _lookup(algo.SHAPING, name, f"algo.shaping.{name}")
+        _options(algo.SHAPING, name, {"max_len": cfg.rollout.max_new_tokens, **options}, f"algo.shaping.{name}")
+    _lookup(TASKS, cfg.data.task, "data.task")
+    if cfg.reward.fn is not None:
+        _lookup(REWARDS, cfg.reward.fn, "reward.fn")
