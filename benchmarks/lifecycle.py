@@ -6,6 +6,9 @@ to JSON and prints Markdown tables.
 
     python benchmarks/lifecycle.py partial [--steps 30]       # long-tail lengths: sync vs partial rollouts
     python benchmarks/lifecycle.py batch [--time-s 150]       # GRPO vs dynamic sampling vs replay, equal wall time
+    python benchmarks/lifecycle.py partial_heldout [--time-s 150] [--eval-n 200] --seeds 0,1
+                                  # sync vs partial rollouts at equal RL wall time, then held-out accuracy:
+                                  # the long-tail setting (rollout-bound) and the quickstart (rollout a minority)
     python benchmarks/lifecycle.py async [--steps 12]         # sync vs async generation on this machine
     python benchmarks/lifecycle.py report A.json B.json [--out chart.svg]   # tables and reward chart, merged
 
@@ -37,11 +40,19 @@ LONG_TAIL = [
     'data.system_prompt="Solve the arithmetic problem step by step. End your reply with: The answer is N."',
     "eval.n=0", "eval.every_steps=0", *CORRECTED,
 ]
+LONG_TAIL_EVAL = [o for o in LONG_TAIL if not o.startswith("eval.")]
 SUITES = {
     "partial": {
         "sync": LONG_TAIL,
         "partial": [*LONG_TAIL, "control.partial_rollouts=true", "control.over_provision=1.5"],
         "partial_2x": [*LONG_TAIL, "control.partial_rollouts=true", "control.over_provision=2.0"],
+    },
+    # equal RL wall time (train.max_time_s), then held-out evaluation: where partial rollouts pay, where not
+    "partial_heldout": {
+        "longtail_sync": LONG_TAIL_EVAL,
+        "longtail_partial": [*LONG_TAIL_EVAL, "control.partial_rollouts=true", "control.over_provision=1.5"],
+        "quickstart_sync": [*CORRECTED],
+        "quickstart_partial": [*CORRECTED, "control.partial_rollouts=true", "control.over_provision=1.5"],
     },
     "batch": {
         "grpo": [],
@@ -156,7 +167,7 @@ def main() -> None:
     common = []
     if args.suite == "partial":
         common = [f"train.steps={args.steps or 30}"]
-    elif args.suite == "batch":
+    elif args.suite in ("batch", "partial_heldout"):
         common = ["train.steps=1000", f"train.max_time_s={args.time_s}", f"eval.n={args.eval_n}", "eval.every_steps=0"]
     else:
         common = [f"train.steps={args.steps or 12}", f"eval.n={args.eval_n}", "eval.every_steps=0"]

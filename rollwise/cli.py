@@ -113,5 +113,25 @@ def report(run_dir: Path = typer.Argument(..., help="run directory")) -> None:
     typer.echo(str(path))
 
 
+@app.command()
+def peak(
+    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="float32 and/or bfloat16 (default both)"),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0 = physical cores, as a run uses)"),
+    fresh: bool = typer.Option(False, "--fresh", help="forget the cached figures first (e.g. measured while "
+                               "the machine was busy); otherwise the better of the cached and new figure is kept"),
+) -> None:
+    """Measure the matmul peak that MFU figures divide by, and cache it (run it on an idle machine)."""
+    from rollwise import perf
+    from rollwise.hardware import configure_threads
+
+    with guard(None):
+        if fresh:
+            perf._cache_file().unlink(missing_ok=True)
+        used = configure_threads(threads)
+        for name, entry in perf.remeasure_peaks(tuple(dtype or ("float32", "bfloat16")), used).items():
+            typer.echo(f"{name}: {entry['gflops']:.0f} GFLOP/s on {used} threads ({entry.get('method', '')}, "
+                       f"{entry.get('date', '')}) -> {perf._cache_file()}")
+
+
 if __name__ == "__main__":
     app()

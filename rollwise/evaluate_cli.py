@@ -36,8 +36,10 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
     target, recipe = resolve_target(model)
     extra = [f"data.task={_quote(task)}"] if task else []
     cfg = load_config(recipe if recipe and recipe.exists() else None, overrides + extra)
-    if task:
+    if task:  # another task than the run's: its own data and split
         cfg.data.path = None
+        cfg.data.eval_path = None
+        cfg.data.split = "prompt"
     configure_allocator()
     configure_threads(cfg.model.threads)
     start = time.perf_counter()

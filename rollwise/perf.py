@@ -82,7 +82,8 @@ def _threads(n: int):
             torch.set_num_threads(before)
 
 
-def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int = MEASURE_SIZE, repeats: int = BEST_OF) -> float:
+def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int = MEASURE_SIZE,
+                          repeats: int = BEST_OF) -> float:
     """GFLOP/s of a `size` x `size` x `size` matmul in `dtype` on the CPU, on the current torch threads: the
     fastest of `repeats` timed runs after a warm-up, for both `a @ b` and a oneDNN prepacked linear (what the
     engine uses); the faster kernel counts."""

@@ -23,7 +23,7 @@ from rollwise.generate import TorchEngine
 from rollwise.hardware import bf16_is_native, configure_allocator, configure_threads, physical_cores
 from rollwise.metrics import MetricsWriter, build_sinks, truncate_after
 from rollwise.models import load_model, model_info
-from rollwise.perf import FlopCounter, matmul_peak_gflops
+from rollwise.perf import FlopCounter
 from rollwise.replay import ReplayBuffer
 from rollwise.rewards import RewardFailureGuard, build_reward_fn
 from rollwise.rollout import LocalRollouts, ProcessRollouts
@@ -61,7 +61,6 @@ class Run:
     started_at: float = field(default_factory=time.time)
     eval_prompts: list[tuple[Prompt, list[int]]] = field(default_factory=list)
     flops: FlopCounter | None = None
-    peak_gflops: float = 1.0
     rollouts: Any = None  # LocalRollouts (the engine above) or ProcessRollouts (control.mode = "async")
     controller: Controller | None = None
     reward_guard: RewardFailureGuard | None = None
@@ -103,6 +102,7 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     else:
         configure_threads(cfg.model.threads)
     seed_everything(cfg.train.seed)
+    source = build_prompt_source(cfg.data, cfg.train.seed)  # data errors before the model loads
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -116,7 +116,6 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
                          max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
     trainer = Trainer(model, cfg.train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature,
                       max_new_tokens=cfg.rollout.max_new_tokens)
-    source = build_prompt_source(cfg.data, cfg.train.seed)
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
     reward_fn = build_reward_fn(cfg.reward, source.default_reward)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +128,6 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     run = Run(cfg, run_dir, model, tokenizer, engine, trainer, source, encoder, reward_fn, writer)
     run.eval_prompts = encode_eval_prompts(source, encoder, cfg.eval.n, to_stdout=True)
     run.flops = FlopCounter(model_info(model))
-    run.peak_gflops = matmul_peak_gflops(torch.float32)  # measured once per machine, then cached
     run.replay = ReplayBuffer(cfg.replay, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt,
                               seed=cfg.train.seed)
     if state is not None:

@@ -97,7 +97,7 @@ def test_tensorboard_resume_appends_and_purges_steps_after_the_checkpoint(tmp_pa
 # --- W&B (offline) ----------------------------------------------------------------------------------------------
 
 WANDB_ENV = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_SILENT", "WANDB_DISABLE_GIT", "WANDB_DISABLE_CODE",
-             "WANDB_CONSOLE", "WANDB_PROJECT", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME")
+             "WANDB_CONSOLE", "WANDB_ERROR_REPORTING", "WANDB_PROJECT", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME")
 
 
 @pytest.fixture
@@ -178,7 +178,7 @@ def test_wandb_resume_reuses_the_run_id(tmp_path: Path, wandb_offline: None) -> 
 
 # --- MLflow (file store) ----------------------------------------------------------------------------------------
 
-MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE")
+MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY")
 
 
 def mlflow_client(uri: str):
@@ -229,6 +229,36 @@ def test_mlflow_tracking_uri_from_the_environment(tmp_path: Path, monkeypatch: p
     run_id = (tmp_path / "run" / MLFLOW_ID_FILE).read_text().strip()
     assert client.get_experiment(client.get_run(run_id).info.experiment_id).name == "team"
     assert mlflow_history(client, run_id, "reward/mean") == [(1, 0.5), (2, 0.75)]
+
+
+# --- no network without a key or a server -----------------------------------------------------------------------
+
+NO_NETWORK_SCRIPT = """
+import sys
+hosts = []
+def audit(event, args):  # every name lookup and every non-Unix-socket connect made from Python
+    if event == "socket.getaddrinfo" or (event == "socket.connect" and not isinstance(args[1], str)):
+        hosts.append(str(args[:2] if event == "socket.getaddrinfo" else args[1]))
+sys.addaudithook(audit)
+from rollwise.metrics import build_sinks
+with build_sinks(["tensorboard", "wandb", "mlflow"], sys.argv[1], "net", {"train": {"lr": 0.1}}) as sinks:
+    sinks.write({"step": 1, "reward/mean": 0.5})
+print("HOSTS", hosts)
+"""
+
+
+def test_trackers_make_no_network_call_offline(tmp_path: Path) -> None:
+    """MLflow 3 sends usage telemetry at import and W&B can phone home: neither may happen for local files.
+    (Python-level sockets only; W&B's Go service talks to this process over a Unix socket.)"""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    env.update(WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"))
+    out = subprocess.run([sys.executable, "-c", NO_NETWORK_SCRIPT, str(tmp_path / "run")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HOSTS []" in out.stdout, out.stdout
+    assert (tmp_path / "run" / "mlruns").is_dir() and list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
 # --- missing libraries ------------------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ class TensorBoardSink:
 
 # W&B without an API key: write files only, never open a connection, never read git or the code
 WANDB_OFFLINE_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
-                     "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off"}
+                     "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off", "WANDB_ERROR_REPORTING": "false"}
 
 
 class WandbSink:
@@ -309,7 +309,7 @@ class WandbSink:
 
 
 MLFLOW_KEY_BAD_CHARS = re.compile(r"[^\w\-./ :]")  # MLflow names allow letters, digits, _ - . / space and :
-MLFLOW_PARAM_CHARS = 6000  # MLflow 2.x/3.x limit on a parameter value
+MLFLOW_PARAM_CHARS = 6000  # the limit on a parameter value (mlflow.utils.validation, MLflow >= 2.16)
 MLFLOW_BATCH = 100  # log_batch takes at most 100 params and 1000 metrics per call
 
 
@@ -318,18 +318,20 @@ class MlflowSink:
 
     The run id is kept in `run_dir/mlflow-run-id`; a resumed training run reopens that run and appends to it.
     The config is logged as params when the run is created (MLflow refuses to change a param afterwards).
+    MLflow's usage telemetry is off unless `MLFLOW_DISABLE_TELEMETRY` says otherwise.
     """
 
     def __init__(self, run_dir: str | Path, run_name: str | None = None, config: dict[str, Any] | None = None,
                  resume_step: int | None = None):
-        _import_tracker("mlflow", "mlflow")
-        from mlflow.tracking import MlflowClient
-
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
         if self.tracking_uri.startswith("file:"):  # MLflow >= 3.7 refuses the file store without this opt-in
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # MLflow 3 phones home at import otherwise
+        _import_tracker("mlflow", "mlflow")
+        from mlflow.tracking import MlflowClient
+
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         self.run_id = self._reopen(run_dir / MLFLOW_ID_FILE)
         if self.run_id is None:
