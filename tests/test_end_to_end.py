@@ -62,9 +62,9 @@ def test_flaky_reward_errors_are_counted_and_excluded(tmp_path, tiny_model_dir, 
     trained: list = []
     real_step = run.trainer.step
 
-    def recording_step(samples):
+    def recording_step(samples, **kwargs):
         trained.extend(samples)
-        return real_step(samples)
+        return real_step(samples, **kwargs)
 
     monkeypatch.setattr(run.trainer, "step", recording_step)
     total_errors = 0
