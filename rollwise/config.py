@@ -331,6 +331,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError as exc:
             raise ConfigError(f"recipe file not found: {path}") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"recipe {path}: cannot read it as a TOML file ({exc})") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
         _check_keys(data, where)

@@ -1,4 +1,5 @@
-"""Resolve every registry name in a config before any work: built-in names and `pkg.module:fn` plugins.
+"""Resolve every registry name in a config before any work: built-in names and `pkg.module:fn` plugins
+(and check that the data files it names exist).
 
 `resolve_names(cfg)` looks up (and, for plugins, imports) each name the run will use, and checks the
 options given for it, so `rollwise train --dry-run` fails on a typo with the list of valid names instead
@@ -6,6 +7,8 @@ of a traceback after the model has loaded and the first evaluation has run.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from rollwise.config import Config, ConfigError
 
@@ -55,5 +58,8 @@ def resolve_names(cfg: Config) -> None:
         _lookup(algo.SHAPING, name, f"algo.shaping.{name}")
         _options(algo.SHAPING, name, {"max_len": cfg.rollout.max_new_tokens, **options}, f"algo.shaping.{name}")
     _lookup(TASKS, cfg.data.task, "data.task")
+    for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if path is not None and not Path(path).expanduser().exists():
+            raise ConfigError(f"{key} = {path!r}: no such file or directory (relative paths start at {Path.cwd()})")
     if cfg.reward.fn is not None:
         _lookup(REWARDS, cfg.reward.fn, "reward.fn")

@@ -80,6 +80,7 @@ TABLE = [
     ("malformed JSONL row", ["data.path={malformed}"], 2, ["malformed.jsonl", "line 3", "not valid JSON"]),
     ("missing field", ["data.path={missing}"], 2, ["missing.jsonl", "answer"]),
     ("empty dataset", ["data.path={empty}"], 2, ["empty.jsonl", "empty"]),
+    ("missing data file", ["data.path=/no/such/data.jsonl"], 2, ["data.path", "/no/such/data.jsonl"]),
     ("always-raising reward stops", ["reward.fn=toy_plugins:always_raises", "train.steps=6"], 2,
      ["every reward failed", "2 steps", "this reward always fails"]),
     ("NaN loss stops after the limit", ["algo.loss=toy_plugins:nan_loss", "reward.fn=toy_plugins:digit_fraction",

@@ -230,12 +230,13 @@ def test_to_toml_round_trips_defaults():
     assert _roundtrip(cfg) == cfg
 
 
-def test_to_toml_round_trips_a_customised_config():
+def test_to_toml_round_trips_a_customised_config(tmp_path):
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
     cfg = load_config(None, [
         "model.name=/tmp/some model",
         "data.system_prompt=Say \"hi\"\\n then\ttab, back\\\\slash and caf\u00e9",
         "data.ops=[\"*\"]",
-        "data.eval_path=/data/eval.jsonl",
+        f"data.eval_path={tmp_path / 'eval.jsonl'}",
         "rollout.stop=[\"</answer>\", \"\\n\"]",
         "rollout.temperature=0.7",
         "train.lr=1e-05",
