@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# First, before torch loads: this snapshot of the CPU counters starts the window over which the CPU other
+# processes use is measured (the thread count, rollwise/hardware.py); the imports below fill that window.
+import rollwise.hardware  # noqa: F401  (isort: skip)
+
 import json
 import sys
 import time
@@ -116,7 +120,7 @@ def report(run_dir: Path = typer.Argument(..., help="run directory")) -> None:
 @app.command()
 def peak(
     dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="float32 and/or bfloat16 (default both)"),
-    threads: int = typer.Option(0, "--threads", help="torch threads (0 = physical cores, as a run uses)"),
+    threads: int = typer.Option(0, "--threads", help="torch threads (0 = the free cores, as a run chooses)"),
     fresh: bool = typer.Option(False, "--fresh", help="forget the cached figures first (e.g. measured while "
                                "the machine was busy); otherwise the better of the cached and new figure is kept"),
 ) -> None:

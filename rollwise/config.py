@@ -23,7 +23,8 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="rollout engine dtype; auto = bfloat16 where the CPU has native bf16"
     )
-    threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = physical cores")
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = the cores other processes leave "
+                         "free, re-checked every step (env ROLLWISE_THREADS = N | cores | auto)")
 
 
 class DataConfig(Section):

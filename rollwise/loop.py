@@ -19,6 +19,7 @@ import torch
 from rollwise import algo
 from rollwise.config import Config
 from rollwise.evaluate import evaluate
+from rollwise.hardware import adapt_threads
 from rollwise.control import StepBatch, staleness_metrics
 from rollwise.metrics import ConsoleView, print_summary, write_report
 from rollwise.perf import step_perf
@@ -87,6 +88,7 @@ def assign_advantages(groups: list[Group], cfg: Config, trainer=None) -> tuple[l
 def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     """One RL step. Returns its metrics row and its batch (groups generated, samples trained)."""
     cfg, timer = run.cfg, StageTimer()
+    adapt_threads()  # fewer torch threads while other processes take cores (automatic threads only)
     step_start = time.perf_counter()
     version = run.step  # the policy version the trainer holds; the engines have it too (synced last step)
     run.rollouts.stats.reset()
@@ -150,6 +152,7 @@ def perf_metrics(row: dict[str, float], timer: StageTimer, step_s: float) -> dic
 
 def run_eval(run: Run) -> dict[str, float]:
     cfg = run.cfg
+    adapt_threads()
     start = time.perf_counter()
     if run.engine.version != run.step:  # async mode: the local engine only evaluates; bring it up to date
         sync_weights(run.model, [run.engine], version=run.step)

@@ -20,7 +20,7 @@ from rollwise.config import Config, to_toml
 from rollwise.control import Controller
 from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
 from rollwise.generate import TorchEngine
-from rollwise.hardware import bf16_is_native, configure_allocator, configure_threads, physical_cores
+from rollwise.hardware import auto_threads, bf16_is_native, configure_allocator, configure_threads
 from rollwise.metrics import MetricsWriter, build_sinks, truncate_after
 from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter
@@ -97,8 +97,9 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     configure_allocator()
     generation_threads = 0
     if cfg.control.mode == "async":  # split the cores between the trainer and the generation process
-        generation_threads = cfg.control.generation_threads or max(1, physical_cores() // 2)
-        configure_threads(cfg.model.threads or max(1, physical_cores() - generation_threads))
+        free_cores = auto_threads()  # the cores other processes leave free now (or ROLLWISE_THREADS)
+        generation_threads = cfg.control.generation_threads or max(1, free_cores // 2)
+        configure_threads(cfg.model.threads or max(1, free_cores - generation_threads))
     else:
         configure_threads(cfg.model.threads)
     seed_everything(cfg.train.seed)
