@@ -127,22 +127,35 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     writer = build_sinks(cfg.run.trackers, run_dir, cfg.run.name or run_dir.name, cfg.model_dump(mode="json"),
                          resume_step=state["step"] if state is not None else None)  # JSONL + run.trackers
     run = Run(cfg, run_dir, model, tokenizer, engine, trainer, source, encoder, reward_fn, writer)
-    run.eval_prompts = encode_eval_prompts(source, encoder, cfg.eval.n, to_stdout=True)
-    run.flops = FlopCounter(model_info(model))
+    try:
+        _assemble(run, state, generation_threads)
+    except BaseException:  # nothing opened here outlives a failed start (tracker runs, worker processes)
+        for close in (getattr(run.rollouts, "close", None), getattr(reward_fn, "close", None), writer.close):
+            if close is not None:
+                close()
+        raise
+    return run
+
+
+def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -> None:
+    """The parts of a run built after its sinks: eval prompts, counters, replay, rollouts, controller, state."""
+    cfg = run.cfg
+    run.eval_prompts = encode_eval_prompts(run.source, run.encoder, cfg.eval.n, to_stdout=True)
+    run.flops = FlopCounter(model_info(run.model))
     run.replay = ReplayBuffer(cfg.replay, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt,
                               seed=cfg.train.seed)
     if state is not None:
         restore_state(run, state)
-    run.rollouts = LocalRollouts(engine)
+    run.rollouts = LocalRollouts(run.engine)
     if cfg.control.mode == "async":
-        run.rollouts = ProcessRollouts(start_generation_process(cfg, model, tokenizer, generation_threads, run.step))
-    run.controller = Controller(cfg, run.rollouts, run.next_prompts, reward_fn)
+        run.rollouts = ProcessRollouts(start_generation_process(cfg, run.model, run.tokenizer, generation_threads,
+                                                                run.step))
+    run.controller = Controller(cfg, run.rollouts, run.next_prompts, run.reward_fn)
     run.reward_guard = RewardFailureGuard(cfg.reward.max_failed_steps)
     if state is not None and state.get("reward_guard") is not None:
         run.reward_guard.load_state_dict(state["reward_guard"])
     if state is not None and state.get("controller") is not None:
         run.controller.load_state_dict(state["controller"])
-    return run
 
 
 def start_generation_process(cfg: Config, model, tokenizer, threads: int, version: int):
