@@ -57,9 +57,33 @@ def resolve_names(cfg: Config) -> None:
     for name, options in a.shaping.items():
         _lookup(algo.SHAPING, name, f"algo.shaping.{name}")
         _options(algo.SHAPING, name, {"max_len": cfg.rollout.max_new_tokens, **options}, f"algo.shaping.{name}")
-    _lookup(TASKS, cfg.data.task, "data.task")
+    factory = _lookup(TASKS, cfg.data.task, "data.task")
+    _check_split(cfg, factory)
     for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if path is not None and not Path(path).expanduser().exists():
             raise ConfigError(f"{key} = {path!r}: no such file or directory (relative paths start at {Path.cwd()})")
     if cfg.reward.fn is not None:
         _lookup(REWARDS, cfg.reward.fn, "reward.fn")
+
+
+def _check_split(cfg: Config, factory) -> None:
+    """`data.split` against what the source declares (`splits` on a file dataset or on the class a task
+    factory is annotated to return); plugins without such an annotation are checked when the run starts."""
+    import typing
+
+    from rollwise.data.tasks import check_split
+
+    if cfg.data.path is not None:
+        supported, name = ("prompt",), f"file {cfg.data.path}"
+    else:
+        try:
+            returned = typing.get_type_hints(factory).get("return")
+        except Exception:  # noqa: BLE001 - an annotation we cannot resolve: checked at start instead
+            returned = None
+        supported, name = getattr(returned, "splits", None), cfg.data.task
+        if supported is None:
+            return
+    try:
+        check_split(cfg.data.split, name, tuple(supported))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

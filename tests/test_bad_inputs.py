@@ -80,6 +80,8 @@ TABLE = [
     ("malformed JSONL row", ["data.path={malformed}"], 2, ["malformed.jsonl", "line 3", "not valid JSON"]),
     ("missing field", ["data.path={missing}"], 2, ["missing.jsonl", "answer"]),
     ("empty dataset", ["data.path={empty}"], 2, ["empty.jsonl", "empty"]),
+    ("fact split for a task without it", ["data.task=letters", 'data.split="fact"'], 2,
+     ["data.split", "letters", "arith"]),
     ("missing data file", ["data.path=/no/such/data.jsonl"], 2, ["data.path", "/no/such/data.jsonl"]),
     ("always-raising reward stops", ["reward.fn=toy_plugins:always_raises", "train.steps=6"], 2,
      ["every reward failed", "2 steps", "this reward always fails"]),
