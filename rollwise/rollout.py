@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from itertools import count
 
+import torch
+
 from rollwise.config import RolloutConfig
 from rollwise.generate.base import Engine
 from rollwise.types import GenerationRequest, GenerationResult, Group, Prompt, Sample, SamplingParams, Status
@@ -192,13 +194,17 @@ class LocalRollouts:
         stats = run_groups(self.engine, groups, params, self._ids, stop)
         return JobResult(self.engine.version, time.perf_counter() - start, stats)
 
-    def push_weights(self, model, version: int) -> None:
-        from rollwise.sync import sync_weights
-
-        sync_weights(model, [self.engine], version)
+    def push_weights(self, state, version: int) -> None:
+        """Copy `state` (parameters by name, or a module's) into the engine as `version`, unchecked (the run's
+        Sync stage goes through `rollwise.sync.WeightSync`, which checks)."""
+        if isinstance(state, torch.nn.Module):
+            state = {name: p.detach() for name, p in state.named_parameters()}
+        self.engine.update_weights(state, version)
 
     def close(self) -> None:
-        pass
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
 
 class ProcessRollouts:
@@ -237,8 +243,9 @@ class ProcessRollouts:
         completed = sum(is_complete(g) for g in groups)
         return JobResult(done.version, done.generate_s, GenerateStats(len(sample_of), 0, completed))
 
-    def push_weights(self, model, version: int) -> None:
-        self.process.push_weights({name: p.detach() for name, p in model.named_parameters()}, version)
+    def push_weights(self, state: dict, version: int) -> None:
+        """`state`: the policy's parameters by name (`rollwise.sync.policy_state`)."""
+        self.process.push_weights(state, version)
 
     def close(self) -> None:
         self.process.close()

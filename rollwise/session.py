@@ -20,25 +20,21 @@ from rollwise.config import Config, to_toml
 from rollwise.control import Controller
 from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
 from rollwise.generate import TorchEngine
-from rollwise.hardware import auto_threads, bf16_is_native, configure_allocator, configure_threads
+from rollwise.generate.factory import build_engine, engine_dtype
+from rollwise.hardware import auto_threads, configure_allocator, configure_threads
 from rollwise.metrics import MetricsWriter, build_sinks, truncate_after
 from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter
 from rollwise.replay import ReplayBuffer
 from rollwise.rewards import RewardFailureGuard, build_reward_fn
 from rollwise.rollout import LocalRollouts, ProcessRollouts
+from rollwise.sync import WeightSync
 from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from rollwise.train.fsdp import build_trainer
 from rollwise.train.trainer import Trainer
 from rollwise.types import Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def engine_dtype(name: str) -> torch.dtype:
-    """`model.dtype`: `auto` is bf16 on CUDA or on a CPU with native bf16 instructions, else fp32."""
-    if name == "auto":
-        return torch.bfloat16 if bf16_is_native("cuda" if torch.cuda.is_available() else "cpu") else torch.float32
-    return DTYPES[name]
 
 
 @dataclass
@@ -49,7 +45,7 @@ class Run:
     run_dir: Path
     model: Any
     tokenizer: Any
-    engine: TorchEngine
+    engine: TorchEngine  # or any engine of rollwise.generate.factory (vLLM, a server client, Ray actors)
     trainer: Trainer
     source: PromptSource
     encoder: PromptEncoder
@@ -65,6 +61,17 @@ class Run:
     controller: Controller | None = None
     reward_guard: RewardFailureGuard | None = None
     replay: ReplayBuffer | None = None
+    sync: WeightSync | None = None  # the Sync stage: transport + probe check
+
+    def close(self) -> None:
+        """Release what the run opened: rollouts (engines, servers, actors), reward workers, trainer ranks,
+        the cluster and the sinks. Safe to call twice."""
+        # the trainer first: its Ray rank actors need the cluster, which the engine owns and closes
+        for owner in (self.trainer, self.reward_fn, self.rollouts, self.engine):
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()
+        self.writer.close()
 
     def next_prompts(self, n: int) -> list[tuple[Prompt, list[int]]]:
         """The next `n` training prompts that fit `max_prompt_tokens` (longer ones are skipped and counted)."""
@@ -107,34 +114,93 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
-    model, tokenizer = load_model(str(ckpt) if ckpt else cfg.model.name, dtype=torch.float32)
+    lora = cfg.lora.rank > 0
+    # with LoRA the base always comes from model.name (a LoRA checkpoint holds the adapter, not the model)
+    model, tokenizer = load_model(str(ckpt) if ckpt and not lora else cfg.model.name, dtype=torch.float32)
     ref_model = None
-    if cfg.algo.kl_coef > 0:  # the frozen reference is always the starting model
+    if cfg.algo.kl_coef > 0 and not lora:  # the frozen reference is always the starting model
         ref_model, _ = load_model(cfg.model.name, dtype=torch.float32)
         ref_model.eval().requires_grad_(False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = TorchEngine(model, tokenizer, dtype=engine_dtype(cfg.model.dtype),
-                         max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
-    trainer = Trainer(model, cfg.train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature,
-                      max_new_tokens=cfg.rollout.max_new_tokens)
-    encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
-    reward_fn = build_reward_fn(cfg.reward, source.default_reward)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     state = load_trainer_state(ckpt) if ckpt is not None else None
     if state is not None:  # drop rows a killed run logged after its last checkpoint, before appending
         truncate_after(run_dir, state["step"])
+    encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+    reward_fn = build_reward_fn(cfg.reward, source.default_reward)
     writer = build_sinks(cfg.run.trackers, run_dir, cfg.run.name or run_dir.name, cfg.model_dump(mode="json"),
                          resume_step=state["step"] if state is not None else None)  # JSONL + run.trackers
-    run = Run(cfg, run_dir, model, tokenizer, engine, trainer, source, encoder, reward_fn, writer)
-    try:
+    run = Run(cfg, run_dir, model, tokenizer, None, None, source, encoder, reward_fn, writer)
+    try:  # nothing opened here outlives a failed start (engines, servers, ranks, tracker runs, workers)
+        run.engine = build_engine(cfg, model, tokenizer, run_dir)  # plain weights: with LoRA, the base
+        if lora:  # adapters wrap the model in place (after the engine copied it); the reference is the base
+            run.model = model = attach_lora(cfg, model, ckpt)  # with the adapters disabled: no second copy
+        run.trainer = build_run_trainer(cfg, model, pad_id, ref_model, str(ckpt) if ckpt else cfg.model.name,
+                                        run.engine)
         _assemble(run, state, generation_threads)
-    except BaseException:  # nothing opened here outlives a failed start (tracker runs, worker processes)
-        for close in (getattr(run.rollouts, "close", None), getattr(reward_fn, "close", None), writer.close):
-            if close is not None:
-                close()
+    except BaseException:
+        run.close()
         raise
     return run
+
+
+def build_run_trainer(cfg: Config, model, pad_id: int, ref_model, model_path: str, engine):
+    """The trainer (`rollwise.train.fsdp.build_trainer`); with `cluster.ray` and FSDP2, ranks 1..N-1 are Ray
+    actors in the engine's cluster (rank 0 is this process), met at a store on the driver's address."""
+    if not (cfg.cluster.ray and cfg.train.backend == "fsdp2" and cfg.train.world_size > 1):
+        return build_trainer(cfg, model, pad_id, ref_model=ref_model, model_path=model_path)
+    from rollwise.cluster import start_trainer_ranks
+    from rollwise.train.distributed import Rendezvous, free_port
+
+    cluster = engine.cluster
+    rendezvous = Rendezvous(cluster.driver_address(), free_port(), cfg.train.world_size)
+    ranks = start_trainer_ranks(cluster, cfg.train.world_size, rendezvous.addr, rendezvous.port,
+                                cfg.model_dump_json(), model_path)
+    try:
+        trainer = build_trainer(cfg, model, pad_id, ref_model=ref_model, model_path=model_path,
+                                rendezvous=rendezvous)
+    except BaseException:
+        ranks.close()
+        raise
+    trainer.workers.processes = ranks.processes()  # a rank actor that dies is noticed at once
+    ranks.store = trainer.workers.store
+    close_trainer = trainer.close
+
+    def close() -> None:
+        try:
+            close_trainer()
+        finally:
+            ranks.close()  # frees the ranks' bundles
+
+    trainer.close = close
+    return trainer
+
+
+def engine_rng_state(engine):
+    """The engine's sampling-generator state for a checkpoint (None for engines that keep none here)."""
+    if hasattr(engine, "rng_states"):  # Ray: one per engine worker
+        return engine.rng_states()
+    generator = getattr(engine, "generator", None)
+    return None if generator is None else generator.get_state()
+
+
+def set_engine_rng_state(engine, rng_state) -> None:
+    if rng_state is None:
+        return
+    if hasattr(engine, "set_rng_states"):
+        engine.set_rng_states(rng_state)
+    elif getattr(engine, "generator", None) is not None:
+        engine.generator.set_state(rng_state)
+
+
+def attach_lora(cfg: Config, base, ckpt: Path | None):
+    """The PEFT model that trains: fresh adapters (seeded by train.seed) or the checkpoint's, on `base`."""
+    from rollwise.train.lora import apply_lora, load_lora_checkpoint, lora_info
+
+    model = load_lora_checkpoint(ckpt, base, cfg.lora) if ckpt else apply_lora(base, cfg.lora, seed=cfg.train.seed)
+    print(f"rollwise: {lora_info(model).line()}", flush=True)
+    return model
 
 
 def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -> None:
@@ -148,8 +214,13 @@ def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -
         restore_state(run, state)
     run.rollouts = LocalRollouts(run.engine)
     if cfg.control.mode == "async":
-        run.rollouts = ProcessRollouts(start_generation_process(cfg, run.model, run.tokenizer, generation_threads,
+        plain = run.engine.model if cfg.lora.rank > 0 else run.model  # the process copies a plain model
+        run.rollouts = ProcessRollouts(start_generation_process(cfg, plain, run.tokenizer, generation_threads,
                                                                 run.step))
+    run.sync = WeightSync(run.rollouts, run.trainer, run.tokenizer, cfg.sync.transport, cfg.sync.check_tokens,
+                          cfg.sync.max_logprob_diff, sync_dir=run.run_dir / "sync", lora=cfg.lora.rank > 0)
+    if cfg.lora.rank > 0 and state is not None:  # the engine started from the base: give it the trained adapters
+        run.sync.push(run.engine.version)
     run.controller = Controller(cfg, run.rollouts, run.next_prompts, run.reward_fn)
     run.reward_guard = RewardFailureGuard(cfg.reward.max_failed_steps)
     if state is not None and state.get("reward_guard") is not None:
@@ -200,11 +271,16 @@ def encode_eval_prompts(source: PromptSource, encoder: PromptEncoder, n: int,
 
 
 def trainer_state(run: Run) -> dict[str, Any]:
-    """Everything besides the weights that a resumed run needs to continue identically."""
+    """Everything besides the weights that a resumed run needs to continue identically.
+
+    FSDP2 (`train.backend = "fsdp2"`): the optimizer state is sharded over the ranks and saved beside it
+    (`save_run`); "fsdp" records the world size it needs."""
+    sharded = hasattr(run.trainer, "save_shards")
     return {
         "step": run.step,
         "data_position": run.data_position,
-        "optimizer": run.trainer.optimizer.state_dict(),
+        "optimizer": None if sharded else run.trainer.optimizer.state_dict(),
+        "fsdp": {"world_size": run.trainer.world_size} if sharded else None,
         "scheduler": run.trainer.scheduler.state_dict(),
         "updates": run.trainer.updates,
         "value_head": None if run.trainer.value_head is None else run.trainer.value_head.state_dict(),
@@ -212,7 +288,7 @@ def trainer_state(run: Run) -> dict[str, Any]:
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "engine": run.engine.generator.get_state(),
+            "engine": engine_rng_state(run.engine),
         },
         "engine_version": run.engine.version,
         "controller": run.controller.state_dict(),
@@ -228,16 +304,24 @@ def trainer_state(run: Run) -> dict[str, Any]:
 def restore_state(run: Run, state: dict[str, Any]) -> None:
     run.step = state["step"]
     run.data_position = state["data_position"]
-    run.trainer.optimizer.load_state_dict(state["optimizer"])
-    run.trainer.scheduler.load_state_dict(state["scheduler"])
-    run.trainer.updates = state.get("updates", 0)
-    run.trainer.nonfinite_streak = state.get("nonfinite_streak", 0)
-    if run.trainer.value_head is not None and state.get("value_head") is not None:
-        run.trainer.value_head.load_state_dict(state["value_head"])
+    from rollwise.train.fsdp import SHARDS_DIR, check_resume_backend
+
+    check_resume_backend(state, run.trainer)  # one clear error for another backend or world size
+    if hasattr(run.trainer, "load_shards"):  # FSDP2: every rank loads its optimizer shard, and the rest
+        ckpt = run.run_dir / "checkpoints" / f"step-{state['step']}"
+        run.trainer.load_shards(ckpt / SHARDS_DIR, {key: state.get(key) for key in (
+            "scheduler", "updates", "nonfinite_streak", "value_head")})
+    else:
+        run.trainer.optimizer.load_state_dict(state["optimizer"])
+        run.trainer.scheduler.load_state_dict(state["scheduler"])
+        run.trainer.updates = state.get("updates", 0)
+        run.trainer.nonfinite_streak = state.get("nonfinite_streak", 0)
+        if run.trainer.value_head is not None and state.get("value_head") is not None:
+            run.trainer.value_head.load_state_dict(state["value_head"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])
-    run.engine.generator.set_state(state["rng"]["engine"])
+    set_engine_rng_state(run.engine, state["rng"]["engine"])
     run.engine.version = state["engine_version"]
     if state.get("replay") is not None:
         run.replay.load_state_dict(state["replay"])
@@ -247,7 +331,22 @@ def restore_state(run: Run, state: dict[str, Any]) -> None:
 
 
 def save_run(run: Run) -> Path:
-    """Write `checkpoints/step-N` (HF model + trainer state), atomically."""
+    """Write `checkpoints/step-N` (HF model + trainer state), atomically. FSDP2: the HF model from the gathered
+    full weights (rank 0) and the optimizer shards of every rank (`torch.distributed.checkpoint`) beside it."""
+    trainer = run.trainer
+    if hasattr(trainer, "save_shards"):
+        from rollwise.train.fsdp import SHARDS_DIR
+
+        return save_checkpoint(run.run_dir, run.step, run.model, run.tokenizer, trainer_state(run),
+                               keep=run.cfg.run.keep_checkpoints, state_dict=trainer.policy_state_dict(),
+                               write_extra=lambda tmp: trainer.save_shards(tmp / SHARDS_DIR))
+    if run.cfg.lora.rank > 0:  # the adapter under adapter/ (and, on request, the merged model under merged/)
+        from rollwise.train.lora import write_lora_checkpoint
+
+        return save_checkpoint(run.run_dir, run.step, run.model, run.tokenizer, trainer_state(run),
+                               keep=run.cfg.run.keep_checkpoints,
+                               write_extra=lambda tmp: write_lora_checkpoint(tmp, run.model, run.tokenizer,
+                                                                             run.cfg.lora.save_merged))
     return save_checkpoint(
         run.run_dir, run.step, run.model, run.tokenizer, trainer_state(run), keep=run.cfg.run.keep_checkpoints
     )

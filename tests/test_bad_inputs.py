@@ -64,7 +64,7 @@ TABLE = [
     ("bad value", ["train.steps=-1"], 2, ["train.steps", "greater than or equal to 0"]),
     ("bad stop string", ['rollout.stop=[""]'], 2, ["rollout.stop", "empty stop string"]),
     ("eval max_new_tokens 0", ["eval.max_new_tokens=0"], 2, ["eval.max_new_tokens", "greater than 0"]),
-    ("engine not available", ["rollout.engine=vllm"], 2, ["rollout.engine", "'torch'"]),
+    ("server engine without its URL", ["rollout.engine=openai"], 2, ["rollout.engine", "rollout.server"]),
     ("unknown loss", ["algo.loss=ppo_clp"], 2, ["algo.loss = 'ppo_clp'", "valid:", "ppo_clip"]),
     ("unknown advantage", ["algo.advantage=grp"], 2, ["algo.advantage = 'grp'", "grpo", "gae"]),
     ("unknown aggregation", ["algo.aggregation=mean"], 2, ["algo.aggregation = 'mean'", "token_mean"]),

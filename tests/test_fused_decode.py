@@ -10,6 +10,7 @@ from helpers_tokenizer import tiny_tokenizer
 from rollwise.generate import TorchEngine
 from rollwise.generate.fused_decode import FusedDecoder
 from rollwise.generate.slot_cache import SlotCache
+from rollwise.models.compat import cache_kwargs
 from rollwise.types import GenerationRequest, SamplingParams
 
 
@@ -48,8 +49,8 @@ def test_fused_step_equals_model_forward(family, dtype):
     ref_cache, fused_cache = _filled_cache(model, dtype, lengths), _filled_cache(model, dtype, lengths)
     positions, mask = ref_cache.begin_step()
     with torch.inference_mode():
-        ref = model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions, cache=ref_cache,
-                    use_cache=True).logits[:, -1]
+        ref = model(input_ids=ids[:, None], attention_mask=mask, position_ids=positions,
+                    **cache_kwargs(model, ref_cache), use_cache=True).logits[:, -1]
     positions, _ = fused_cache.begin_step()
     rows = torch.tensor([0, 2, 3])  # logits only for the rows that are sampled
     fused = FusedDecoder(model).step(ids, positions[:, 0], fused_cache, rows)

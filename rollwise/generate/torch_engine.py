@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from rollwise.generate.fused_decode import FusedDecoder
 from rollwise.generate.sampling import sample_with_full_logprobs
 from rollwise.generate.slot_cache import SlotCache
+from rollwise.models.compat import cache_kwargs
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
 
 
@@ -224,7 +225,8 @@ class TorchEngine:
         """Prefill with the model's own forward: (last-token logits [u, V], per-layer (keys, values))."""
         dyn = DynamicCache()
         width = ids.shape[1]
-        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=attn, cache=dyn, use_cache=True,
+        decoder = self.model.get_decoder()
+        hidden = decoder(input_ids=ids, attention_mask=attn, **cache_kwargs(decoder, dyn), use_cache=True,
                                           position_ids=torch.arange(width, device=ids.device).expand(len(ids), -1)
                                           ).last_hidden_state
         last = hidden[torch.arange(len(ids), device=ids.device), attn.sum(-1) - 1]  # [u, H]
@@ -244,7 +246,7 @@ class TorchEngine:
             logits = self.fused.step(pending, positions[:, 0], cache, idx)  # [A, V]
         else:
             out = self.model(input_ids=pending[:, None], attention_mask=mask, position_ids=positions,
-                             cache=cache, use_cache=True, logits_to_keep=1)
+                             **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
             logits = out.logits[idx, -1]
         cache.end_step(is_active)
         # the fused step runs its projections and MLP on active rows only (attention still spans every slot)
@@ -290,6 +292,21 @@ class TorchEngine:
             text = _cut_at_stop(text, seq.req.params.stop)
         return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text,
                                 full_logprobs=seq.full_logprobs)
+
+    @torch.inference_mode()
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs at temperature 1 of token_ids[1:] given the preceding tokens (length len - 1), computed by
+        the engine's current weights in fp32 log-softmax (the Sync stage compares them with the trainer's)."""
+        if len(token_ids) < 2:
+            return []
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, L]
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [L-1, V]
+        targets = ids[0, 1:, None]
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1).tolist()
+
+    def close(self) -> None:
+        """Nothing to release beyond the Python objects (no processes); idempotent."""
+        self._aborted.clear()
 
 
 class _Results(dict):

@@ -20,7 +20,7 @@ import shutil
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,12 +38,17 @@ _saving = 0  # saves in progress in this process: its own temp directories are n
 _saving_lock = threading.Lock()
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 0, *,
+                    state_dict: dict[str, torch.Tensor] | None = None,
+                    write_extra: Callable[[Path], None] | None = None) -> Path:
     """Save `run_dir/checkpoints/step-<step>` and point `latest` at it; return the checkpoint directory.
 
     `trainer_state` (optimizer / scheduler state dicts, RNG states, data position, ...) is saved with
     `torch.save`; `step` is added to it when absent. An existing `step-<step>` is replaced safely. `keep > 0`
     then deletes the oldest complete checkpoints beyond `keep` (never the one `latest` names).
+    `state_dict`, when given, holds the weights to write in `model`'s format (e.g. FSDP2's gathered full state
+    dict; `model` then gives only the config). `write_extra(temp_dir)` writes more files (e.g. sharded trainer
+    state in a subdirectory) before COMPLETE, which lists them too.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative int, got {step!r}")
@@ -51,14 +56,14 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root)
     name = f"step-{step}"
-    _check_finite(model, name)
-    needed = estimate_bytes(model, trainer_state)
+    _check_finite(model, name, state_dict)
+    needed = estimate_bytes(model, trainer_state, state_dict)
     tmp = root / f".{name}.tmp-{os.getpid()}"
     if shutil.disk_usage(root).free < needed:
         raise _disk_full(root / name, needed, shutil.disk_usage(root).free)
     with _saving_now():
         try:
-            _write_checkpoint(tmp, step, model, tokenizer, trainer_state)
+            _write_checkpoint(tmp, step, model, tokenizer, trainer_state, state_dict, write_extra)
             publish_dir(tmp, root / name, root / f".{name}.old-{os.getpid()}")
         except Exception as exc:
             # safetensors and torch.save report ENOSPC in their own words ("os error 28", "unexpected pos"):
@@ -98,17 +103,21 @@ def is_disk_full(exc: BaseException) -> bool:
     return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
 
 
-def estimate_bytes(model, trainer_state: dict) -> int:
-    """Bytes a checkpoint will take, roughly: the weights as saved plus the optimizer's tensors."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    optimizer = trainer_state.get("optimizer", {}).get("state", {})
+def estimate_bytes(model, trainer_state: dict, state_dict: dict | None = None) -> int:
+    """Bytes a checkpoint will take, roughly: the weights as saved plus the optimizer's tensors (sharded
+    optimizer state written by `write_extra`: about twice the weights, AdamW's two moments)."""
+    tensors = (model.state_dict() if state_dict is None else state_dict).values()
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    if trainer_state.get("fsdp") is not None:
+        return 3 * weights
+    optimizer = (trainer_state.get("optimizer") or {}).get("state", {})
     moments = sum(v.numel() * v.element_size() for st in optimizer.values() for v in st.values()
                   if isinstance(v, torch.Tensor))
     return weights + moments
 
 
-def _check_finite(model, name: str) -> None:
-    for key, tensor in model.state_dict().items():
+def _check_finite(model, name: str, state_dict: dict | None = None) -> None:
+    for key, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(f"refusing to write checkpoint {name}: weight {key} holds NaN/Inf "
                                   "(the previous checkpoint and 'latest' are unchanged)")
@@ -157,17 +166,22 @@ def is_complete(ckpt_dir: Path) -> bool:
         return False
 
 
-def _write_checkpoint(tmp: Path, step: int, model, tokenizer, trainer_state: dict) -> None:
-    """Write every file into `tmp`, fsync them, then the COMPLETE marker last."""
+def _write_checkpoint(tmp: Path, step: int, model, tokenizer, trainer_state: dict, state_dict: dict | None = None,
+                      write_extra: Callable[[Path], None] | None = None) -> None:
+    """Write every file into `tmp`, fsync them, then the COMPLETE marker last (it lists files in subdirectories
+    under their relative paths)."""
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     model = getattr(model, "_orig_mod", model)  # torch.compile wrapper
-    with _without_quantization_config(model):
-        model.save_pretrained(tmp)
+    if getattr(model, "peft_config", None) is None:  # a LoRA model's files come from `write_extra`
+        with _without_quantization_config(model):
+            model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
     tokenizer.save_pretrained(tmp)
     torch.save({"step": step, **trainer_state}, tmp / TRAINER_STATE)
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    if write_extra is not None:
+        write_extra(tmp)
+    files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     fsync_tree(tmp)
     with open(tmp / COMPLETE, "w") as fh:
         json.dump({"step": step, "files": files}, fh, indent=1)

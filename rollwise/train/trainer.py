@@ -20,6 +20,7 @@ from rollwise.hardware import bf16_is_native
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
 from rollwise.train.critic import ValueHead
 from rollwise.train.logprobs import response_hidden, token_logprobs
+from rollwise.train.lora import is_lora
 from rollwise.train.objective import Objective
 from rollwise.train.shared_attention import NAME as SHARED_ATTENTION
 from rollwise.types import Sample
@@ -93,7 +94,35 @@ class Trainer:
     @torch.no_grad()
     def _frozen_logprobs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         with self._autocast():
-            return [token_logprobs(model, mb, self.temperature, with_entropy=False)[0] for mb in mbs]
+            return [self._logprobs(model, mb, with_entropy=False)[0] for mb in mbs]
+
+    def _logprobs(self, model, mb: MicroBatch, with_entropy: bool = True, hidden_out: list | None = None):
+        """`token_logprobs` of `model` on `mb` at the rollout temperature (FSDP2 routes the policy's through its
+        root module)."""
+        return token_logprobs(model, mb, self.temperature, with_entropy=with_entropy, hidden_out=hidden_out)
+
+    def _share(self, plan: list[MicroBatch]) -> list[tuple[int, MicroBatch]]:
+        """(index in `plan`, micro-batch) pairs this process runs: all of them here. Data parallel (FSDP2) runs
+        every N-th and pads with stand-ins of index -1 (zero-weight passes, so every rank issues the same
+        collectives)."""
+        return list(enumerate(plan))
+
+    def _merged(self, acc: "_Accumulator") -> "_Accumulator":
+        """The step's metrics over every process (data parallel: summed over ranks); here `acc` itself."""
+        return acc
+
+    @property
+    def has_reference(self) -> bool:
+        """A reference policy exists: the frozen `ref_model`, or the LoRA policy's base (adapters disabled)."""
+        return self.ref_model is not None or is_lora(self.model)
+
+    def _reference_logprobs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Reference log-probs per micro-batch ([S, T] each): `ref_model`'s, or with LoRA and no `ref_model` the
+        policy's own with its adapters disabled, i.e. the base weights without a second copy of them."""
+        if self.ref_model is not None:
+            return self._frozen_logprobs(self.ref_model, mbs)
+        with self.model.disable_adapter():
+            return self._frozen_logprobs(self.model, mbs)
 
     def step(self, samples: list[Sample], version: int | None = None) -> dict[str, float]:
         """One RL update on `samples` (advantages already set). Returns `train/*` and `mismatch/*`.
@@ -106,28 +135,31 @@ class Trainer:
         single_update = self.cfg.ppo_epochs == 1 and len(minibatches) == 1
         from_engine = self.cfg.old_logprobs == "behaviour"
         plans = [self._micro_batches(mb, version) for mb in minibatches]
-        old = None if from_engine or single_update else [self._frozen_logprobs(self.model, p) for p in plans]
+        batch_norms = [algo.batch_normalisers([mb.loss_mask for mb in plan]) for plan in plans]  # whole minibatch
+        shares = [self._share(plan) for plan in plans]  # [(j, micro-batch)] this process runs
+        mine = [[mb for _, mb in share] for share in shares]
+        old = None if from_engine or single_update else [self._frozen_logprobs(self.model, p) for p in mine]
         ref = None
-        if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and self.ref_model is not None:
-            ref = [self._frozen_logprobs(self.ref_model, p) for p in plans]
-        critic = [self._critic_targets(p) for p in plans] if self.value_head is not None else None
+        if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and self.has_reference:
+            ref = [self._reference_logprobs(p) for p in mine]
+        critic = [self._critic_targets(p) for p in mine] if self.value_head is not None else None
         acc = _Accumulator()
         skipped = 0
         for epoch in range(self.cfg.ppo_epochs):
-            for k, plan in enumerate(plans):
-                norms = algo.batch_normalisers([mb.loss_mask for mb in plan])
+            for k, share in enumerate(shares):
+                norms = batch_norms[k]
                 # engine-vs-trainer mismatch: measured on weights that sampled the batch (before any update)
                 measure = epoch == 0 and (k == 0 or old is not None)
-                for j, mb in enumerate(plan):
-                    old_logp = mb.behaviour_logp if from_engine else None if old is None else old[k][j]
-                    self._backward(mb, norms, old_logp, None if ref is None else ref[k][j], acc, measure,
-                                   None if old is None else old[k][j], None if critic is None else critic[k][j],
-                                   seed=self.updates * 1000 + j)
+                for i, (j, mb) in enumerate(share):
+                    old_logp = mb.behaviour_logp if from_engine else None if old is None else old[k][i]
+                    self._backward(mb, norms, old_logp, None if ref is None else ref[k][i], acc, measure,
+                                   None if old is None else old[k][i], None if critic is None else critic[k][i],
+                                   seed=self.updates * 1000 + j, stand_in=j < 0)
                 skipped += not self._optimizer_step(acc)
         self.scheduler.step()
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
-        check_finite_weights(self.model, where="after the update")
-        out = acc.means()
+        self._check_finite_weights("after the update")
+        out = self._merged(acc).means()
         out["train/nonfinite_steps"] = float(skipped)  # optimizer steps skipped for a NaN/Inf loss or gradient
         out["train/nonfinite_streak"] = float(self.nonfinite_streak)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -140,6 +172,9 @@ class Trainer:
                   "critic": critic is not None}  # passes over the batch this step ran (perf.py counts their FLOPs)
         out.update({f"train/passes/{k}": float(v) for k, v in passes.items()})
         return out
+
+    def _check_finite_weights(self, where: str) -> None:
+        check_finite_weights(self.model, where=where)
 
     def _optimizer_step(self, acc: "_Accumulator") -> bool:
         """Clip and apply the accumulated gradients; False (nothing applied) when the loss or gradient norm
@@ -157,11 +192,11 @@ class Trainer:
 
     def kl_penalties(self, samples: list[Sample]) -> list[float]:
         """`algo.kl_in_reward`: per-sample summed KL penalty `-kl_coef * sum_t k(behaviour, ref)`, in order."""
-        if self.ref_model is None:
+        if not self.has_reference:
             return [0.0] * len(samples)
         mbs = self._micro_batches(samples)
         penalty: dict[int, float] = {}
-        for mb, ref_logp in zip(mbs, self._frozen_logprobs(self.ref_model, mbs)):
+        for mb, ref_logp in zip(mbs, self._reference_logprobs(mbs)):
             rows = algo.kl_reward_penalty(self.algo.kl_estimator, mb.behaviour_logp, ref_logp, mb.loss_mask,
                                           self.algo.kl_coef, per_sequence=True)  # [S]
             for sample, value in zip(mb.samples, rows.tolist()):
@@ -174,7 +209,7 @@ class Trainer:
         out = []
         for mb in mbs:
             with self._autocast():
-                hidden = response_hidden(self.model, mb)
+                hidden = self._hidden(mb)
             values = self.value_head(hidden, mb)  # [S, T], fp32 as in the training pass
             rewards = torch.tensor([s.reward if s.train_reward is None else s.train_reward for s in mb.samples],
                                    dtype=torch.float32)
@@ -183,6 +218,10 @@ class Trainer:
             out.append((values, returns))
         return out
 
+    def _hidden(self, mb: MicroBatch) -> torch.Tensor:
+        """`response_hidden` of the policy on `mb`: [n, H]."""
+        return response_hidden(self.model, mb)
+
     def skip_step(self) -> None:
         """Advance the lr schedule on a step without an update (every group was filtered out)."""
         with warnings.catch_warnings():
@@ -190,14 +229,15 @@ class Trainer:
             self.scheduler.step()
 
     def _backward(self, mb: MicroBatch, norms: dict, old_logp, ref_logp, acc: "_Accumulator", measure: bool,
-                  pre_update_logp=None, critic=None, seed: int = 0) -> None:
+                  pre_update_logp=None, critic=None, seed: int = 0, stand_in: bool = False) -> None:
         """Accumulate gradients of one micro-batch. `old_logp` None = on-policy (the detached current logp);
         `pre_update_logp`, when given, is the trainer's logp before this step's updates; `critic` is
-        (old_values, returns) [S, T] each."""
+        (old_values, returns) [S, T] each. A `stand_in` (data parallel padding) adds zero gradients and no
+        metrics."""
         mask = mb.loss_mask  # [B, T]
         hidden: list | None = [] if critic is not None else None
         with self._autocast():
-            logp, entropy = token_logprobs(self.model, mb, self.temperature, hidden_out=hidden)  # [B, T] each
+            logp, entropy = self._logprobs(self.model, mb, hidden_out=hidden)  # [B, T] each
         old = logp.detach() if old_logp is None else old_logp
         loss, metrics = self.objective.loss(logp, old, mb.behaviour_logp, mb.advantages, mask, norms, seed,
                                             entropy=entropy, ref_logp=ref_logp)
@@ -207,6 +247,9 @@ class Trainer:
                                                        clip=self.algo.value_clip)
             loss = loss + self.algo.vf_coef * self.objective.aggregate(per_token, mask, norms)
             metrics.update({f"value/{k}": float(v) for k, v in value_metrics.items()})
+        if stand_in:
+            (loss * 0.0).backward()
+            return
         loss.backward()
         self._nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
         w = float(mask.sum())

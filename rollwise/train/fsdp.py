@@ -1,0 +1,392 @@
+"""The FSDP2 trainer backend (`train.backend = "fsdp2"`, `train.world_size = N`): the local objective, data parallel.
+
+Parameters are sharded with PyTorch FSDP2 (`fully_shard` on every decoder layer, then on a root module that
+holds the embeddings, final norm and LM head, tied or not) over a 1-D DeviceMesh of N ranks: gloo on CPU, NCCL
+on CUDA; with bf16 (`train.precision`), `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.
+
+Same objective as `Trainer` (Zhao et al. 2023, "PyTorch FSDP"; the data-parallel split is plain gradient
+accumulation): every rank plans each minibatch into the same micro-batches and takes the normalisers from the
+whole minibatch; rank r runs micro-batches r, r+N, ... and pads with zero-weight stand-ins so every rank issues
+the same collectives. FSDP's reduce-scatter sums (divide factor 1), so the gradient is the local trainer's sum
+over micro-batches; the gradient norm is the global one; metrics are merged over ranks.
+
+Rank 0 is the driver and exposes the `Trainer` API; ranks 1..N-1 follow its commands (`rollwise.train.distributed`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import math
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rollwise.train import distributed as ranks
+from rollwise.train.batching import MicroBatch, collate
+from rollwise.train.logprobs import response_hidden, token_logprobs
+from rollwise.train.trainer import NonFiniteError, Trainer, _Accumulator, use_bf16
+
+SHARDS_DIR = "trainer_shards"  # the checkpoint's sharded trainer state (torch.distributed.checkpoint)
+_ROOT_PREFIX = "policy."
+
+
+class PolicyRoot(torch.nn.Module):
+    """FSDP2's root module around the HF policy: every pass over the policy is one call of this module, so the
+    root's parameters (embeddings, final norm, LM head) are gathered and its gradients reduced, whichever part
+    of the HF model the pass uses (`token_logprobs` calls the decoder and reads the head's weight)."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, fn, *args, **kwargs):
+        """`fn(policy, *args, **kwargs)` inside the root's forward."""
+        return fn(self.policy, *args, **kwargs)
+
+
+def shard_policy(model: torch.nn.Module, world_size: int, device_type: str, bf16: bool) -> PolicyRoot:
+    """`fully_shard` every decoder layer of `model`, then a `PolicyRoot` around it, over a (world_size,) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device_type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    root = PolicyRoot(model)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
+    for module in root.modules():  # sum over ranks, not FSDP's mean: the gradient is a sum over micro-batches
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return root
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _broadcast_module(module: torch.nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into every rank's `module` (in place)."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=0)
+
+
+class FSDPTrainer(Trainer):
+    """`Trainer` over N FSDP2 ranks. Rank 0 (the driver) calls `step`, `skip_step`, `kl_penalties`,
+    `policy_state_dict`, `probe_logprobs`, `save_shards`, `load_shards`, `close`; workers run `run_command`.
+
+    The process group must exist (`build_trainer` or `rollwise.train.distributed.worker_main` set it up).
+    `model` is this rank's copy of the policy (rank 0's weights are broadcast to all); `ref_model` stays
+    unsharded on each rank, so `kl_penalties` needs rank 0 alone.
+    """
+
+    def __init__(self, model, train_cfg, algo_cfg, pad_id: int, ref_model=None, temperature: float = 1.0,
+                 max_new_tokens: int = 64, *, rank: int, world_size: int, workers: ranks.Workers | None = None):
+        self.rank, self.world_size = rank, world_size
+        self.workers = workers
+        self.closed, self._broken = False, False
+        device_type = next(model.parameters()).device.type
+        _broadcast_module(model)
+        self.root = shard_policy(model, world_size, device_type, use_bf16(train_cfg.precision, device_type))
+        super().__init__(model, train_cfg, algo_cfg, pad_id, ref_model=ref_model, temperature=temperature,
+                         max_new_tokens=max_new_tokens)
+        holder = {"policy": self.root}
+        if self.value_head is not None:  # replicated (one linear layer): same start everywhere, grads summed
+            _broadcast_module(self.value_head)
+            holder["value_head"] = self.value_head
+        self._holder = torch.nn.ModuleDict(holder)  # names every optimizer parameter (checkpoint shards)
+        if rank == 0:
+            atexit.register(self.close)
+
+    # ------------------------------------------------------------------ the driver's API (rank 0)
+
+    def step(self, samples, version: int | None = None) -> dict[str, float]:
+        return self._command(("step", samples, version))
+
+    def skip_step(self) -> None:
+        self._command(("skip_step",))
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded policy weights under HF names, on CPU (rank 0; every rank takes part)."""
+        return self._command(("state_dict",))
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs at temperature 1 of token_ids[1:] by the sharded policy (a forward on every rank)."""
+        return self._command(("probe", list(token_ids)))
+
+    def save_shards(self, directory: Path) -> None:
+        """Write the sharded optimizer state (`torch.distributed.checkpoint`) into `directory` from every rank."""
+        self._command(("save", str(directory)))
+
+    def load_shards(self, directory: Path, extra: dict[str, Any]) -> None:
+        """Load `save_shards`' optimizer state from `directory` on every rank, and the replicated rest
+        (`extra`: scheduler, updates, nonfinite_streak, value_head state dicts)."""
+        self._command(("load", str(directory), extra))
+
+    def close(self) -> None:
+        """Rank 0: the workers exit (killed if they do not within 10 s), the process group goes. Idempotent."""
+        if self.rank != 0 or self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        try:
+            if not self._broken:
+                ranks.send_command(("close",))
+        except Exception:
+            self._broken = True
+        finally:
+            if self.workers is not None:
+                self.workers.stop(grace_s=0.0 if self._broken else 10.0)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _command(self, command: tuple):
+        if self.closed:
+            raise RuntimeError(f"trainer ranks are closed; cannot run {command[0]!r}")
+        with self._guard(command[0]):
+            ranks.send_command(command)
+            return self.run_command(command)
+
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        """A failed command breaks the group; a failed collective is reported as the rank that caused it."""
+        try:
+            yield
+        except BaseException as exc:
+            self._broken = True
+            report = None
+            if self.workers is not None:
+                report = self.workers.failure(wait_s=5.0 if ranks.looks_like_comm_error(exc) else 0.0)
+            if report is None and ranks.looks_like_comm_error(exc):
+                report = (f"trainer ranks: {what!r} failed in a collective ({type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); a rank died or hung")
+            if report is None:
+                raise
+            self._print_worker_tracebacks()
+            raise RuntimeError(report) from exc
+
+    def _print_worker_tracebacks(self) -> None:
+        for rank in range(1, self.world_size):
+            text = self.workers.traceback_of(rank) if self.workers is not None else None
+            if text:
+                sys.stderr.write(f"rollwise: traceback of trainer rank {rank}:\n{text}")
+        sys.stderr.flush()
+
+    # ------------------------------------------------------------------ every rank
+
+    def run_command(self, command: tuple):
+        """Execute one command on this rank (rank 0 after broadcasting it, workers after receiving it)."""
+        name, *args = command
+        if name == "step":
+            return Trainer.step(self, *args)
+        if name == "skip_step":
+            return Trainer.skip_step(self)
+        if name == "state_dict":
+            return self._full_state_dict()
+        if name == "probe":
+            return self._probe(*args)
+        if name == "save":
+            return self._save(*args)
+        if name == "load":
+            return self._load(*args)
+        raise ValueError(f"unknown trainer command {name!r}")
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        return {name.removeprefix(_ROOT_PREFIX): tensor for name, tensor in state.items()}
+
+    def _probe(self, token_ids: list[int]) -> list[float]:
+        from rollwise.sync import model_probe_logprobs
+
+        with torch.no_grad():
+            return self.root(model_probe_logprobs, token_ids)
+
+    def _optimizer_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {"optimizer": get_optimizer_state_dict(self._holder, self.optimizer)}
+
+    def _save(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._optimizer_state(), checkpoint_id=directory)
+
+    def _load(self, directory: str, extra: dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        state = self._optimizer_state()
+        dcp.load(state, checkpoint_id=directory)
+        set_optimizer_state_dict(self._holder, self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.updates = extra.get("updates", 0)
+        self.nonfinite_streak = extra.get("nonfinite_streak", 0)
+        if self.value_head is not None and extra.get("value_head") is not None:
+            self.value_head.load_state_dict(extra["value_head"])
+
+    # ------------------------------------------------------------------ the Trainer hooks
+
+    def _logprobs(self, model, mb: MicroBatch, with_entropy: bool = True, hidden_out: list | None = None):
+        if model is not self.model:  # the frozen reference: unsharded, local
+            return super()._logprobs(model, mb, with_entropy=with_entropy, hidden_out=hidden_out)
+        return self.root(token_logprobs, mb, self.temperature, with_entropy=with_entropy, hidden_out=hidden_out)
+
+    def _hidden(self, mb: MicroBatch) -> torch.Tensor:
+        return self.root(response_hidden, mb)
+
+    def _share(self, plan: list[MicroBatch]) -> list[tuple[int, MicroBatch]]:
+        """Micro-batches rank, rank + N, ... of `plan`, padded to ceil(M / N) with one-sample stand-ins (-1)."""
+        mine = [(j, plan[j]) for j in range(self.rank, len(plan), self.world_size)]
+        rounds = math.ceil(len(plan) / self.world_size)
+        if len(mine) < rounds:
+            stand_in = collate(plan[0].samples[:1], self.pad_id, share_prompt=self.cfg.share_prompt)
+            mine += [(-1, stand_in)] * (rounds - len(mine))
+        return mine
+
+    def _merged(self, acc: _Accumulator) -> _Accumulator:
+        """Sums and weights of every rank's metrics added up (weight-0 entries: the maximum over ranks)."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (acc.sums, acc.weights))
+        out = _Accumulator()
+        for sums, weights in gathered:
+            for key, value in sums.items():
+                if weights[key] == 0.0:
+                    out.sums[key] = max(out.sums.get(key, -math.inf), value)
+                    out.weights[key] = 0.0
+                else:
+                    out.sums[key] = out.sums.get(key, 0.0) + value
+                    out.weights[key] = out.weights.get(key, 0.0) + weights[key]
+        return out
+
+    def _optimizer_step(self, acc: _Accumulator) -> bool:
+        """As `Trainer._optimizer_step`, over ranks: the value head's gradients summed, the norm the global one
+        (sharded gradients' norm `full_tensor()`-ed), a NaN/Inf loss on any rank skips the step on all."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor) and p.grad is not None]
+        if plain:
+            flat = torch.cat([p.grad.reshape(-1) for p in plain])
+            dist.all_reduce(flat)
+            for p, part in zip(plain, flat.split([p.grad.numel() for p in plain])):
+                p.grad.copy_(part.view_as(p.grad))
+        nonfinite = torch.tensor([float(self._nonfinite_loss)])
+        dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
+        norms = []
+        grads = [p.grad for p in sharded if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if plain:
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in plain], 2.0))
+        total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+        torch.nn.utils.clip_grads_with_norm_(sharded, self.cfg.max_grad_norm, total)
+        if plain:
+            torch.nn.utils.clip_grads_with_norm_(plain, self.cfg.max_grad_norm, total)
+        grad_norm = float(total)
+        acc.add("train/grad_norm", grad_norm, 1.0)
+        finite = math.isfinite(grad_norm) and not bool(nonfinite.item())
+        self._nonfinite_loss = False
+        if finite:
+            self.optimizer.step()
+            self.updates += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return finite
+
+    def _check_finite_weights(self, where: str) -> None:
+        """NonFiniteError on every rank, naming the first parameter whose shard on any rank holds NaN/Inf."""
+        bad = next((name for name, p in self.model.named_parameters()
+                    if not bool(torch.isfinite(_local(p.detach())).all())), "")
+        flag = torch.tensor([1.0 if bad else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            names: list[Any] = [None] * self.world_size
+            dist.all_gather_object(names, bad)
+            first = next(n for n in names if n)
+            raise NonFiniteError(f"parameter {first} holds NaN/Inf {where}; lower train.lr or check the loss")
+
+
+def build_trainer(cfg, model, pad_id: int, ref_model=None, model_path: str | None = None, *,
+                  rendezvous: ranks.Rendezvous | None = None, timeout_s: float = ranks.DEFAULT_TIMEOUT_S):
+    """The run's trainer: today's `Trainer` for `train.backend = "local"` or `train.world_size = 1`, else an
+    `FSDPTrainer` (rank 0) with ranks 1..N-1 started here (spawn), or met at `rendezvous` / torchrun's env.
+
+    `model` stays unsharded (rank 0 shards a copy: the caller's engine may share `model`); `model_path` is an HF
+    directory or model name the workers load the architecture from (default `cfg.model.name`); `ref_model` is
+    rank 0's frozen reference (workers load their own from `cfg.model.name`).
+    """
+    train = cfg.train
+    if train.backend == "local" or train.world_size == 1:
+        return Trainer(model, train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature,
+                       max_new_tokens=cfg.rollout.max_new_tokens)
+    if getattr(cfg, "lora", None) is not None and cfg.lora.rank > 0:
+        raise ValueError("lora.rank > 0 with train.backend = 'fsdp2' is not supported yet; use train.backend = "
+                         "'local' for LoRA")
+    world = train.world_size
+    spawn = False
+    if rendezvous is None:
+        env = ranks.Rendezvous.from_env()
+        if env is not None and env.world_size > 1:
+            if int(os.environ.get("RANK", "0")) != 0:
+                raise RuntimeError("build_trainer runs on rank 0 only; ranks > 0 call "
+                                   "rollwise.train.distributed.worker_main_from_env(cfg)")
+            rendezvous = env
+        else:
+            rendezvous, spawn = ranks.Rendezvous("127.0.0.1", ranks.free_port(), world), True
+    if rendezvous.world_size != world:
+        raise ValueError(f"train.world_size = {world} but the launcher started {rendezvous.world_size} ranks; "
+                         "make them equal")
+    device_type = next(model.parameters()).device.type
+    store = rendezvous.store(0, timeout_s)
+    ranks.publish_init(store, {"pad_id": pad_id, "device_type": device_type, "threads": torch.get_num_threads(),
+                               "timeout_s": timeout_s, "has_ref": ref_model is not None})
+    processes = ranks.spawn_workers(world, rendezvous, cfg.model_dump_json(), model_path or cfg.model.name) \
+        if spawn else []
+    workers = ranks.Workers(store, world, processes)
+    try:
+        workers.wait_ready(timeout_s)
+        ranks.init_process_group(0, world, store, device_type, timeout_s)
+        try:
+            return FSDPTrainer(copy.deepcopy(model), train, cfg.algo, pad_id, ref_model=ref_model,
+                               temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
+                               rank=0, world_size=world, workers=workers)
+        except BaseException as exc:
+            report = workers.failure(wait_s=5.0 if ranks.looks_like_comm_error(exc) else 0.0)
+            if report is None:
+                raise
+            raise RuntimeError(report) from exc
+    except BaseException:
+        workers.stop(grace_s=0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+
+
+def check_resume_backend(state: dict, trainer) -> None:
+    """ValueError (one line) when a checkpoint's trainer state cannot go into `trainer`: written by the other
+    backend, or sharded over another number of ranks."""
+    saved = state.get("fsdp")
+    ranks_now = trainer.world_size if isinstance(trainer, FSDPTrainer) else None
+    name = f"checkpoint step-{state.get('step')}"
+    if saved is None and ranks_now is not None:
+        raise ValueError(f"{name} was written by train.backend = 'local'; resume it with train.backend = 'local' "
+                         "(its optimizer state is not sharded)")
+    if saved is not None and ranks_now is None:
+        raise ValueError(f"{name} holds optimizer state sharded over {saved['world_size']} FSDP2 ranks; resume "
+                         f"it with train.backend = 'fsdp2' and train.world_size = {saved['world_size']}")
+    if saved is not None and saved["world_size"] != ranks_now:
+        raise ValueError(f"{name} holds optimizer state sharded over {saved['world_size']} ranks, this run has "
+                         f"{ranks_now}; resume with train.world_size = {saved['world_size']}")
