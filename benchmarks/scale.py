@@ -6,7 +6,8 @@ at once), same seed. Needs the extras: `make scale`.
     python benchmarks/scale.py engines [--steps 20] [--eval-n 200]   # torch vs vllm engine, fp32 and bf16
     python benchmarks/scale.py raw_vllm                              # rollwise's vLLM engine vs raw vllm.LLM
     python benchmarks/scale.py fsdp [--steps 5]                      # local trainer vs FSDP2 on 2 gloo ranks
-    python benchmarks/scale.py lora [--steps 20] [--eval-n 200]      # LoRA rank 16 vs full fine-tuning
+    python benchmarks/scale.py lora [--steps 20] [--eval-n 200]      # LoRA rank 16 (full = engines' torch_bf16)
+    python benchmarks/scale.py lora_pair                             # LoRA rank 16 and full fine-tuning
 
 Figures: rollout tok/s = sampled tokens / generation wall time (`perf/rollout_tokens_per_s`, mean over steps);
 step time = mean `perf/step_s`; held-out accuracy = `eval/*_accuracy` on `eval.n` held-out prompts at the end;
@@ -41,7 +42,10 @@ SUITES = {
         "local": ["train.backend=local"],
         "fsdp2_2ranks": ["train.backend=fsdp2", "train.world_size=2"],
     },
-    "lora": {
+    "lora": {  # full fine-tuning at the same settings is the engines suite's torch_bf16 (quickstart defaults here)
+        "lora_r16": ["lora.rank=16", "lora.alpha=32", "train.lr=2e-4"],
+    },
+    "lora_pair": {  # both side by side, when the time is there
         "full": [],
         "lora_r16": ["lora.rank=16", "lora.alpha=32", "train.lr=2e-4"],
     },

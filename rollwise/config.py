@@ -195,7 +195,7 @@ class SyncConfig(Section):
     check_tokens: int = Field(32, ge=0, description="tokens of a fixed probe sequence whose log-probs the engine "
                               "and the trainer compare after every sync (0 = off)")
     max_logprob_diff: float | None = Field(None, gt=0.0, description="a larger sync/logprob_max_abs_diff stops "
-                                           "the run; None = 1e-2 for a float32 engine, 0.5 for bfloat16")
+                                           "the run; None = 1e-2 for a float32 engine, 1.0 for bfloat16")
 
 
 class ClusterConfig(Section):

@@ -31,6 +31,19 @@ def resolve_target(model: str) -> tuple[str, Path | None]:
     return model, None
 
 
+def load_policy(target: str, base_name: str):
+    """(model, tokenizer) of `target`; a LoRA checkpoint (adapter/ beside the trainer state) is its base
+    (`model.name` of the run) with the adapter merged in."""
+    from rollwise.train.lora import is_lora_checkpoint
+
+    if not is_lora_checkpoint(target):
+        return load_model(target, dtype=torch.float32)
+    from rollwise.train.lora import load_lora_checkpoint
+
+    base, tokenizer = load_model(base_name, dtype=torch.float32)
+    return load_lora_checkpoint(target, base).merge_and_unload(), tokenizer
+
+
 def run_eval_command(model: str, task: str | None, n: int, temperature: float, max_new_tokens: int | None,
                      overrides: list[str]) -> dict:
     target, recipe = resolve_target(model)
@@ -43,7 +56,7 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
     configure_allocator()
     configure_threads(cfg.model.threads)
     start = time.perf_counter()
-    policy, tokenizer = load_model(target, dtype=torch.float32)
+    policy, tokenizer = load_policy(target, cfg.model.name)
     engine = TorchEngine(policy, tokenizer, dtype=engine_dtype(cfg.model.dtype), max_batch_size=cfg.rollout.max_batch_size)
     source = build_prompt_source(cfg.data, cfg.train.seed)
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)

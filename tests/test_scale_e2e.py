@@ -53,6 +53,18 @@ def test_lora_run_checkpoints_the_adapter_and_resumes_identically(tmp_path, tiny
     rows = [r for r in read_rows(whole) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["sync/logprob_max_abs_diff"] < 1e-4 for r in rows)
+    # `rollwise eval` on the LoRA run: the base of model.name with the checkpoint's adapter merged in
+    from peft import PeftModel
+
+    from rollwise.evaluate_cli import load_policy, run_eval_command
+    from rollwise.models import load_model
+
+    merged, _ = load_policy(str(ckpt), str(tiny_model_dir))
+    peft_model = PeftModel.from_pretrained(load_model(str(tiny_model_dir))[0], str(ckpt / "adapter"))
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    torch.testing.assert_close(merged(input_ids=ids).logits, peft_model(input_ids=ids).logits, atol=1e-5, rtol=0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_eval_command(str(whole), None, 8, 0.7, None, [])["n"] == 8
 
 
 @pytest.mark.slow
