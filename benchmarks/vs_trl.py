@@ -264,7 +264,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             "optimizer_steps": row.get("train/optimizer_steps"),
             "trained_tokens": row.get("train/tokens"),
             "reward_mean": row.get("reward/mean"),
-            "prompts": sorted({g.prompt.messages[-1]["content"] for g in groups}),
+            "prompts": sorted({g.prompt.messages[-1]["content"] for g in batch.generated}),
             "threads": torch.get_num_threads(),
             "threads_at_begin": state["threads_seen_rw"],
         })

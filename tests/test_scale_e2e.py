@@ -220,3 +220,24 @@ def test_lora_on_vllm_syncs_adapters_not_weights(tmp_path, hd64_model_dir):
     assert all(r["sync/logprob_max_abs_diff"] < 1e-3 for r in rows)
     assert sorted(p.name for p in (tmp_path / "run" / "sync").glob("adapter-v*")) == ["adapter-v1", "adapter-v2"]
     assert not list((tmp_path / "run" / "sync").glob("v[0-9]*"))  # no full-weight folder was written
+
+
+@pytest.mark.slow
+def test_vllm_server_launched_by_the_run_trains_and_stops(tmp_path, hd64_model_dir):
+    """rollout.server = 'launch': vLLM's OpenAI server in its own process, weights synced through folders and
+    the worker extension; 2 steps train, every probe agrees, and the server is gone after the run."""
+    pytest.importorskip("vllm")
+    psutil = pytest.importorskip("psutil")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cfg = tiny_config(hd64_model_dir, **VLLM_TEST_OPTIONS, **{
+        "rollout.engine": "vllm", "rollout.server": "launch", "eval.n": 0, "run.report": False,
+        "reward.fn": "toy_plugins:digit_fraction"})
+    quiet_train(cfg, tmp_path / "run")
+    rows = [r for r in read_rows(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2] and sum(r["train/tokens"] or 0 for r in rows) > 0
+    assert all(r["sync/logprob_max_abs_diff"] < 1e-3 for r in rows)
+    assert (tmp_path / "run" / "vllm_server.log").is_file()
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+            and p.status() != psutil.STATUS_ZOMBIE]
+    _, alive = psutil.wait_procs(left, timeout=15)
+    assert not alive, [(p.pid, _name(p)) for p in alive]

@@ -91,11 +91,16 @@ def build_engine(cfg: Config, model, tokenizer, run_dir: Path):
                               max_model_len=max_model_len(cfg), options=options, sync_dir=Path(run_dir) / "sync")
         from rollwise.generate.vllm_server import VLLMServerEngine
 
+        # the server reloads weight folders written here: it must see this file system (same machine or shared)
+        folder, sync_dir = write_initial_weights(model, tokenizer, run_dir), Path(run_dir) / "sync"
+        name = "float32" if dtype == torch.float32 else "bfloat16"
         if rollout.server == "launch":
-            return VLLMServerEngine.launch(write_initial_weights(model, tokenizer, run_dir), tokenizer, dtype=dtype,
-                                           options=options, log_path=Path(run_dir) / "vllm_server.log",
-                                           timeout_s=rollout.request_timeout_s, max_model_len=max_model_len(cfg))
-        return VLLMServerEngine(rollout.server, tokenizer, timeout_s=rollout.request_timeout_s)
+            return VLLMServerEngine.launch(folder, tokenizer, dtype=name,
+                                           options={"max_model_len": max_model_len(cfg), **options},
+                                           log_path=Path(run_dir) / "vllm_server.log", sync_dir=sync_dir,
+                                           timeout_s=rollout.request_timeout_s)
+        return VLLMServerEngine(rollout.server, tokenizer, model_dir=folder, dtype=name, sync_dir=sync_dir,
+                                timeout_s=rollout.request_timeout_s)
     from rollwise.generate.http_engine import OpenAIEngine, SGLangEngine
 
     cls = SGLangEngine if rollout.engine == "sglang" else OpenAIEngine
