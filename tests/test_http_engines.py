@@ -17,7 +17,8 @@ import torch
 
 from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
-from rollwise.generate.http_engine import ServerEngineError, SGLangEngine
+from rollwise.generate.http_engine import ServerEngineError
+from rollwise.generate.sglang_engine import SGLangEngine
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.generate.vllm_server import free_port
 from rollwise.types import GenerationRequest, SamplingParams, Status

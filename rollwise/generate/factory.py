@@ -101,7 +101,8 @@ def build_engine(cfg: Config, model, tokenizer, run_dir: Path):
                                            timeout_s=rollout.request_timeout_s)
         return VLLMServerEngine(rollout.server, tokenizer, model_dir=folder, dtype=name, sync_dir=sync_dir,
                                 timeout_s=rollout.request_timeout_s)
-    from rollwise.generate.http_engine import OpenAIEngine, SGLangEngine
+    from rollwise.generate.http_engine import OpenAIEngine
+    from rollwise.generate.sglang_engine import SGLangEngine
 
     cls = SGLangEngine if rollout.engine == "sglang" else OpenAIEngine
     return cls(rollout.server, tokenizer, timeout_s=rollout.request_timeout_s)

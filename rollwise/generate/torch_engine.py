@@ -285,13 +285,7 @@ class TorchEngine:
         return any(s in tail for s in params.stop)
 
     def _result(self, seq: _Sequence) -> GenerationResult:
-        # spans of this call only; the caller keeps the spans of tokens generated earlier
-        spans = [(seq.start_len, len(seq.ids), self.version)] if len(seq.ids) > seq.start_len else []
-        text = self.tokenizer.decode(seq.ids, skip_special_tokens=True)
-        if seq.status == Status.COMPLETED and seq.req.params.stop:
-            text = _cut_at_stop(text, seq.req.params.stop)
-        return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text,
-                                full_logprobs=seq.full_logprobs)
+        return sequence_result(seq, self.version, self.tokenizer)
 
     @torch.inference_mode()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -336,6 +330,18 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators:
         for row, t, l, f in zip(rows, tok.tolist(), lp.tolist(), full.tolist()):
             tokens[row], logprobs[row], full_logprobs[row] = t, l, f
     return tokens, logprobs, full_logprobs
+
+
+def sequence_result(seq, version: int, tokenizer) -> GenerationResult:
+    """The result of a finished (or aborted) sequence: its tokens, log-probs and status, the span of the tokens
+    this call added tagged with `version` (the caller keeps earlier spans), and its text cut at a stop string.
+    `seq` has `req`, `ids`, `logprobs`, `full_logprobs`, `start_len` and `status` (any engine's sequence)."""
+    spans = [(seq.start_len, len(seq.ids), version)] if len(seq.ids) > seq.start_len else []
+    text = tokenizer.decode(seq.ids, skip_special_tokens=True)
+    if seq.status == Status.COMPLETED and seq.req.params.stop:
+        text = _cut_at_stop(text, seq.req.params.stop)
+    return GenerationResult(seq.req.request_id, seq.ids, seq.logprobs, seq.status, spans, text,
+                            full_logprobs=seq.full_logprobs or [])
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -296,15 +296,7 @@ class FSDPTrainer(Trainer):
         torch.nn.utils.clip_grads_with_norm_(sharded, self.cfg.max_grad_norm, total)
         if plain:
             torch.nn.utils.clip_grads_with_norm_(plain, self.cfg.max_grad_norm, total)
-        grad_norm = float(total)
-        acc.add("train/grad_norm", grad_norm, 1.0)
-        finite = math.isfinite(grad_norm) and not bool(nonfinite.item())
-        self._nonfinite_loss = False
-        if finite:
-            self.optimizer.step()
-            self.updates += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return finite
+        return self._apply_if_finite(acc, float(total), bool(nonfinite.item()))
 
     def _check_finite_weights(self, where: str) -> None:
         """NonFiniteError on every rank, naming the first parameter whose shard on any rank holds NaN/Inf."""

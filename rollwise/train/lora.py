@@ -71,7 +71,9 @@ def _check_targets(model, targets: list[str]) -> None:
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
-        raise ValueError(f"lora.target_modules {missing} match no module of {type(model).__name__}; its linear "
+        from rollwise.config import ConfigError  # a user's key: one error line, exit 2
+
+        raise ConfigError(f"lora.target_modules {missing} match no module of {type(model).__name__}; its linear "
                          f"modules are {linear_module_names(model)} (or use ['all-linear'])")
 
 

@@ -181,8 +181,13 @@ class Trainer:
         of this minibatch is NaN/Inf: weights and optimizer state stay as they were."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+        return self._apply_if_finite(acc, grad_norm, self._nonfinite_loss)
+
+    def _apply_if_finite(self, acc: "_Accumulator", grad_norm: float, nonfinite_loss: bool) -> bool:
+        """Record the (clipped) gradient norm; step the optimizer unless it or a micro-batch loss was NaN/Inf;
+        clear the gradients either way. True when the step was applied."""
         acc.add("train/grad_norm", grad_norm, 1.0)
-        finite = math.isfinite(grad_norm) and not self._nonfinite_loss
+        finite = math.isfinite(grad_norm) and not nonfinite_loss
         self._nonfinite_loss = False
         if finite:
             self.optimizer.step()
