@@ -133,6 +133,25 @@ def eval_cmd(
 
 
 @app.command()
+def serve(
+    args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.toml] [section.key=value ...]"),
+    host: Optional[str] = typer.Option(None, "--host", help="bind address (default serve.host, 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, "--port", help="port (default serve.port; 0 = a free one)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer token (default serve.api_key, "
+                                          "else a generated one, printed)"),
+    model: Optional[str] = typer.Option(None, "--model", help="model to serve (default model.name)"),
+    debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
+) -> None:
+    """Serve the policy over HTTP (OpenAI completions + episodes + weights) until Ctrl-C (docs/serve.md)."""
+    config, overrides = _split_args(list(args or []))
+    _quiet_libraries()
+    from rollwise.serve.cli import serve_command
+
+    with guard(None, debug):
+        serve_command(config, overrides, host, port, api_key, model)
+
+
+@app.command()
 def report(run_dir: Path = typer.Argument(..., help="run directory")) -> None:
     """Write RUN_DIR/report.html with plots of the run's metrics."""
     from rollwise.metrics import ReportError, write_report

@@ -38,6 +38,8 @@ class DataConfig(Section):
     answer_field: str = "answer"
     system_prompt: str | None = Field(None, description="system turn; None keeps the chat template's default")
     max_prompt_tokens: int = Field(256, gt=0)
+    options: Options = Field(default_factory=dict, description="keyword options of the task (calc: example_prob, "
+                             "withdraw_at, withdraw_step, guided_samples, max_replaced_frac)")
     digits: int = Field(1, ge=1, le=6, description="arith: digits per operand")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"])
     eval_size: int = Field(512, ge=1, description="size of the fixed held-out split (at most a quarter of a "
@@ -72,6 +74,10 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0)
     stop: list[str] = Field(default_factory=list)
     max_batch_size: int = Field(64, gt=0, description="sequences decoded together")
+    source: Literal["local", "service"] = Field("local", description="'service' = generate through a running "
+                                                "`rollwise serve` at rollout.service_url (another machine)")
+    service_url: str | None = Field(None, description="rollout.source = 'service': the server's URL")
+    service_api_key: str | None = Field(None, description="its Bearer token; None = $ROLLWISE_API_KEY")
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +97,30 @@ class RewardConfig(Section):
     max_failed_steps: int = Field(2, ge=1, description="stop the run when every reward of this many steps in a "
                                   "row failed")
 
+
+
+class ServeConfig(Section):
+    """`rollwise serve`: the policy behind an HTTP API (docs/agentic.md). Command-line flags override these."""
+
+    host: str = Field("127.0.0.1", description="bind address; anything but loopback exposes the policy")
+    port: int = Field(8765, ge=0, le=65535, description="0 = a free port (printed at start)")
+    api_key: str | None = Field(None, description="Bearer token clients must send; None = a generated one, "
+                                "printed at start")
+    max_queued_requests: int = Field(256, gt=0, description="requests waiting for the engine at most; more get 503")
+    episode_ttl_s: float = Field(3600.0, gt=0.0, description="finished episode jobs are kept this long for GET")
+
+
+class EnvConfig(Section):
+    """Multi-turn episodes with tools (docs/agentic.md). `name = None` keeps one response per prompt."""
+
+    name: str | None = Field(None, description="environment: calc, lookup, pyexec, tool, or 'pkg.mod:fn'; "
+                             "None = the task's own (single turn for arith and letters)")
+    max_turns: int = Field(4, ge=1, description="assistant turns per episode at most")
+    max_episode_tokens: int = Field(512, gt=0, description="tokens after the prompt (policy and tool) at most; "
+                                    "an episode that reaches it is truncated")
+    parser: Literal["tag", "hermes"] = Field("tag", description="tool-call syntax: tag '<calc>EXPR</calc>' or "
+                                             "hermes '<tool_call>{json}</tool_call>'")
+    options: Options = Field(default_factory=dict, description="keyword options of the environment")
 
 
 class AlgoConfig(Section):
@@ -256,6 +286,8 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)

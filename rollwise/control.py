@@ -80,6 +80,7 @@ class Controller:
         self.next_prompts = next_prompts
         self.reward_fn = reward_fn
         self.params = sampling_params(cfg.rollout)
+        self.substitution = None  # rollwise.envs.substitution.HardSampleSubstitution, set by the session
         self.carried: list[Group] = []  # started, not complete (partial rollouts)
         self.ready: list[Group] = []  # complete, scored and kept, waiting for a batch (partial rollouts)
         self.inflight: deque[tuple[int, int, list[Group]]] = deque()  # async: (job, step, groups)
@@ -118,6 +119,11 @@ class Controller:
                 out.scored += [s for g in complete for s in g.samples
                                if score_sample(s, self.reward_fn, self.cfg.reward.timeout_s)]
                 counts["samples"] += sum(len(g.samples) for g in complete)
+            if self.substitution is not None and complete:  # ToolExpander: rescue groups nothing solved
+                with timer("rollout"):
+                    added, removed = self.substitution(complete, self.params)
+                gone = {id(s) for s in removed}
+                out.scored = [s for s in out.scored if id(s) not in gone] + added
             with timer("filter"):
                 kept, dropped = apply_filters(complete, self.filters)
             counts.update(dropped)
@@ -272,7 +278,7 @@ class Controller:
             for g in groups:  # a job's results were never received: generate them again
                 for s in g.samples:
                     s.status, s.response_ids, s.behaviour_logprobs, s.version_spans = Status.PENDING, [], [], []
-                    s.full_logprobs = []
+                    s.full_logprobs, s.loss_mask, s.turns, s.tool_calls, s.episode = [], [], [], [], None
             staleness = self.cfg.control.max_staleness
             self.inflight.append((self._submit(groups, min_version=max(0, k - staleness)), k, groups))
             self.next_prefetch_step = k + 1

@@ -18,6 +18,7 @@ import torch
 
 from rollwise import algo
 from rollwise.config import Config
+from rollwise.envs.episode import episode_metrics, transcript
 from rollwise.evaluate import evaluate
 from rollwise.hardware import adapt_threads
 from rollwise.control import StepBatch, staleness_metrics
@@ -66,9 +67,11 @@ def assign_advantages(groups: list[Group], cfg: Config, trainer=None) -> tuple[l
     if cfg.algo.shaping:
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
         correct = torch.tensor([bool(s.correct) for s in samples])
+        names = sorted({k for s in samples for k in s.reward_parts})
+        parts = {k: torch.tensor([s.reward_parts.get(k, 0.0) for s in samples], dtype=torch.float32) for k in names}
         for name, options in cfg.algo.shaping.items():
             options = {"max_len": cfg.rollout.max_new_tokens, **options}
-            rewards = algo.shape_rewards(name, rewards, lengths, group_ids, correct, **options)
+            rewards = algo.shape_rewards(name, rewards, lengths, group_ids, correct, parts=parts, **options)
         metrics["reward/shaped_mean"] = float(rewards.mean())
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward and trainer is not None:
         penalty = torch.tensor(trainer.kl_penalties(samples), dtype=torch.float32)  # [N], <= 0
@@ -94,6 +97,10 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     run.rollouts.stats.reset()
     # Generate -> Score -> Filter -> Control: rounds of generation until the batch is full (control.py)
     batch = run.controller.collect(run.step, version, timer)
+    observe = getattr(run.source, "observe", None)  # a task's curriculum learns from the step's groups
+    curriculum = observe(batch.generated) if observe is not None else {}
+    if run.controller.substitution is not None:
+        curriculum.update(run.controller.substitution.metrics())
     with timer("filter"):
         samples, shaping_metrics = assign_advantages(batch.groups, cfg, run.trainer)
     with timer("replay"):  # Replay: mix stored samples in, then store this batch's
@@ -111,9 +118,10 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
         sync_metrics = run.sync.push(version + 1)
     run.step += 1
     row = {"step": run.step, "kind": "train", **dict.fromkeys(TRAIN_KEYS), **batch.metrics, **shaping_metrics,
-           **train_metrics, **sync_metrics, **run.replay.metrics(), **staleness_metrics(trained, version)}
+           **train_metrics, **sync_metrics, **run.replay.metrics(), **staleness_metrics(trained, version), **curriculum}
     row["replay/replayed_frac"] = len(replayed) / max(1, len(trained))
     row.update(rollout_metrics(batch.scored, run.rollouts.stats.generated_tokens, batch.generate_s))
+    row.update(episode_metrics([s for g in batch.generated for s in g.samples]))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
     row.update(step_perf(run, batch, samples, trained, timer.seconds, train_metrics))
     row.update(run.encoder.metrics())
@@ -122,6 +130,15 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     run.totals["tokens_trained"] += row.get("train/tokens", 0.0)
     run.totals["steps_s"] = run.totals.get("steps_s", 0.0) + row["perf/step_s"]
     return row, batch
+
+
+def episode_record(s: Sample) -> dict:
+    """The JSON-ready record of an episode: transcript, tool calls, turns, how it ended, env reward parts."""
+    ep = s.episode
+    return {"transcript": transcript(s), "ended_by": ep.ended_by, "turns": [list(t) for t in s.turns],
+            "tool_calls": [{"name": c.name, "args": c.args, "result": c.result, "error": c.error,
+                            "wall_s": c.wall_s} for c in s.tool_calls],
+            "env_parts": ep.parts, "env_error": ep.error}
 
 
 def rollout_metrics(samples: list[Sample], generated_tokens: int, generate_s: float) -> dict[str, float]:
@@ -158,7 +175,7 @@ def run_eval(run: Run) -> dict[str, float]:
         run.engine.update_weights(policy_state(run.trainer), version=run.step)
     metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, cfg.eval.temperature,
                        cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy,
-                       reward_timeout_s=cfg.reward.timeout_s)
+                       reward_timeout_s=cfg.reward.timeout_s, episodes=run.episodes)
     row = {"step": run.step, "kind": "eval", **metrics, "perf/time/eval_s": time.perf_counter() - start}
     run.writer.write(row)
     return row
@@ -174,11 +191,13 @@ def log_samples(run: Run, samples: list[Sample]) -> None:
     picked = samples[:: max(1, run.cfg.rollout.samples_per_prompt // 2)][:n]
     with out.open("w") as f:
         for s in picked:
-            f.write(json.dumps({"prompt": s.prompt.messages[-1]["content"], "answer": s.prompt.answer,
-                                "response": s.response_text, "reward": s.reward, "status": s.status.value,
-                                "error": s.reward_error, "advantage": s.advantage,
-                                "policy_versions": sorted({v for _, _, v in s.version_spans}),
-                                "replayed": s.replayed}) + "\n")
+            row = {"prompt": s.prompt.messages[-1]["content"], "answer": s.prompt.answer,
+                   "response": s.response_text, "reward": s.reward, "status": s.status.value,
+                   "error": s.reward_error, "advantage": s.advantage,
+                   "policy_versions": sorted({v for _, _, v in s.version_spans}), "replayed": s.replayed}
+            if getattr(s, "episode", None) is not None:  # the whole transcript, tool calls and how the episode ended
+                row.update(episode_record(s))
+            f.write(json.dumps(row) + "\n")
 
 
 class RunInterrupted(KeyboardInterrupt):

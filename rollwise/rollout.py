@@ -175,11 +175,29 @@ class JobResult:
     stats: GenerateStats
 
 
-class LocalRollouts:
-    """Generation in this process with the run's engine: a submitted job runs when it is waited on."""
+@dataclass
+class Episodes:
+    """How a run's samples become multi-turn episodes: its environment, codec and token budget
+    (rollwise.envs.episode)."""
 
-    def __init__(self, engine: Engine):
+    env: object
+    codec: object
+    max_episode_tokens: int
+
+    def run(self, engine: Engine, groups: list[Group], params: SamplingParams, ids: count,
+            stop: StopRule | None = None) -> GenerateStats:
+        from rollwise.envs.episode import run_episodes
+
+        return run_episodes(engine, groups, params, ids, self.env, self.codec, stop, self.max_episode_tokens)
+
+
+class LocalRollouts:
+    """Generation in this process with the run's engine: a submitted job runs when it is waited on.
+    With `episodes`, every sample is a multi-turn episode in that environment."""
+
+    def __init__(self, engine: Engine, episodes: Episodes | None = None):
         self.engine = engine
+        self.episodes = episodes
         self.stats = engine.stats
         self._ids = count()
         self._jobs: dict[int, tuple] = {}
@@ -191,7 +209,10 @@ class LocalRollouts:
     def wait(self, job: int) -> JobResult:
         groups, params, stop = self._jobs.pop(job)
         start = time.perf_counter()
-        stats = run_groups(self.engine, groups, params, self._ids, stop)
+        if self.episodes is not None:
+            stats = self.episodes.run(self.engine, groups, params, self._ids, stop)
+        else:
+            stats = run_groups(self.engine, groups, params, self._ids, stop)
         return JobResult(self.engine.version, time.perf_counter() - start, stats)
 
     def push_weights(self, state, version: int) -> None:

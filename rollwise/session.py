@@ -27,7 +27,9 @@ from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter
 from rollwise.replay import ReplayBuffer
 from rollwise.rewards import RewardFailureGuard, build_reward_fn
-from rollwise.rollout import LocalRollouts, ProcessRollouts
+from rollwise.envs import EnvError, build_env
+from rollwise.envs.episode import EpisodeCodec
+from rollwise.rollout import Episodes, LocalRollouts, ProcessRollouts
 from rollwise.sync import WeightSync
 from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from rollwise.train.fsdp import build_trainer
@@ -62,6 +64,7 @@ class Run:
     reward_guard: RewardFailureGuard | None = None
     replay: ReplayBuffer | None = None
     sync: WeightSync | None = None  # the Sync stage: transport + probe check
+    episodes: Episodes | None = None  # multi-turn episodes (env.name or the task's environment); None = one turn
 
     def close(self) -> None:
         """Release what the run opened: rollouts (engines, servers, actors), reward workers, trainer ranks,
@@ -111,6 +114,10 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
         configure_threads(cfg.model.threads)
     seed_everything(cfg.train.seed)
     source = build_prompt_source(cfg.data, cfg.train.seed)  # data errors before the model loads
+    env = build_env(cfg.env, getattr(source, "default_env", None))  # and environment errors
+    if env is not None and cfg.control.mode == "async":
+        raise EnvError(f"environment {env.name!r}: multi-turn episodes step their environment between engine "
+                       "calls in this process; use control.mode = 'sync'")
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -132,6 +139,8 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     writer = build_sinks(cfg.run.trackers, run_dir, cfg.run.name or run_dir.name, cfg.model_dump(mode="json"),
                          resume_step=state["step"] if state is not None else None)  # JSONL + run.trackers
     run = Run(cfg, run_dir, model, tokenizer, None, None, source, encoder, reward_fn, writer)
+    if env is not None:
+        run.episodes = Episodes(env, EpisodeCodec(tokenizer, cfg.data.system_prompt), cfg.env.max_episode_tokens)
     try:  # nothing opened here outlives a failed start (engines, servers, ranks, tracker runs, workers)
         run.engine = build_engine(cfg, model, tokenizer, run_dir)  # plain weights: with LoRA, the base
         if lora:  # adapters wrap the model in place (after the engine copied it); the reference is the base
@@ -212,8 +221,12 @@ def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -
                               seed=cfg.train.seed)
     if state is not None:
         restore_state(run, state)
-    run.rollouts = LocalRollouts(run.engine)
-    if cfg.control.mode == "async":
+    run.rollouts = LocalRollouts(run.engine, run.episodes)
+    if cfg.rollout.source == "service":  # generation by a `rollwise serve` elsewhere (rollwise/serve/client.py)
+        from rollwise.serve.client import service_rollouts
+
+        run.rollouts = service_rollouts(run)
+    elif cfg.control.mode == "async":
         plain = run.engine.model if cfg.lora.rank > 0 else run.model  # the process copies a plain model
         run.rollouts = ProcessRollouts(start_generation_process(cfg, plain, run.tokenizer, generation_threads,
                                                                 run.step))
@@ -222,11 +235,26 @@ def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -
     if cfg.lora.rank > 0 and state is not None:  # the engine started from the base: give it the trained adapters
         run.sync.push(run.engine.version)
     run.controller = Controller(cfg, run.rollouts, run.next_prompts, run.reward_fn)
+    run.controller.substitution = build_substitution(run)
     run.reward_guard = RewardFailureGuard(cfg.reward.max_failed_steps)
     if state is not None and state.get("reward_guard") is not None:
         run.reward_guard.load_state_dict(state["reward_guard"])
     if state is not None and state.get("controller") is not None:
         run.controller.load_state_dict(state["controller"])
+
+
+def build_substitution(run: Run):
+    """ToolExpander's hard-sample substitution when the task offers guided prompts (rollwise.envs.substitution)."""
+    if run.episodes is None or not hasattr(run.source, "guided_prompt") or not hasattr(run.rollouts, "engine"):
+        return None
+    rollout = run.cfg.rollout
+    if rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0:
+        raise EnvError(f"task {run.source.name!r} substitutes hard samples, whose log-probs are recomputed at "
+                       "temperature 1 without top-k / top-p: set rollout.temperature = 1, top_p = 1, top_k = 0")
+    from rollwise.envs.substitution import HardSampleSubstitution
+
+    return HardSampleSubstitution(run.source, run.episodes, run.rollouts.engine, run.encoder, run.reward_fn,
+                                  run.cfg.reward.timeout_s, **getattr(run.source, "substitution_options", {}))
 
 
 def start_generation_process(cfg: Config, model, tokenizer, threads: int, version: int):
@@ -297,6 +325,7 @@ def trainer_state(run: Run) -> dict[str, Any]:
         "nonfinite_streak": run.trainer.nonfinite_streak,
         "totals": dict(run.totals),
         "prompts_dropped": run.encoder.dropped,
+        "source": run.source.state_dict() if hasattr(run.source, "state_dict") else None,  # a task's curriculum
         "elapsed_s": time.time() - run.started_at,
     }
 
@@ -327,6 +356,8 @@ def restore_state(run: Run, state: dict[str, Any]) -> None:
         run.replay.load_state_dict(state["replay"])
     run.totals = dict(state["totals"])
     run.encoder.dropped = state.get("prompts_dropped", 0)
+    if state.get("source") is not None and hasattr(run.source, "load_state_dict"):
+        run.source.load_state_dict(state["source"])
     run.started_at = time.time() - state.get("elapsed_s", 0.0)
 
 

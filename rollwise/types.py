@@ -86,6 +86,23 @@ class GenerationResult:
 
 
 @dataclass
+class ToolCall:
+    """One tool call of an episode: what the policy asked for and what came back.
+
+    `result` is the text fed back to the policy; `error` is set when the call failed (an unknown tool, bad
+    arguments, the tool raised or timed out); then `result` holds the error text the policy sees.
+    """
+
+    name: str
+    args: dict[str, Any]
+    turn: int  # the assistant turn (0-based) that made the call
+    result: str = ""
+    error: str | None = None
+    wall_s: float = 0.0
+    sandbox_s: float = 0.0  # time inside the sandbox, for tools that run code there
+
+
+@dataclass
 class RewardResult:
     """Outcome of one reward function on one sample. `error` is set when it failed."""
 
@@ -114,7 +131,11 @@ class Sample:
     group_id: int
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     full_logprobs: list[float] = field(default_factory=list)
-    turn_boundaries: list[int] = field(default_factory=list)
+    # multi-turn episodes (rollwise.envs): `(start, end, role)` over response positions, role "assistant" for
+    # the policy's own tokens (loss mask 1) and "tool" / "user" / "template" for appended ones (mask 0)
+    turns: list[tuple[int, int, str]] = field(default_factory=list)
+    tool_calls: list["ToolCall"] = field(default_factory=list)
+    episode: Any = None  # rollwise.envs.episode.EpisodeState of an unfinished or finished episode; None = one turn
     response_text: str = ""
     reward: float | None = None
     reward_parts: dict[str, float] = field(default_factory=dict)

@@ -20,6 +20,8 @@ This package imports only torch (and the stdlib registry).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from rollwise.algo import advantages as _advantages  # noqa: F401  (registers entries)
@@ -28,6 +30,7 @@ from rollwise.algo import importance as _importance  # noqa: F401
 from rollwise.algo import kl as _kl  # noqa: F401
 from rollwise.algo import losses as _losses  # noqa: F401
 from rollwise.algo import shaping as _shaping  # noqa: F401
+from rollwise.algo import tool_shaping as _tool_shaping  # noqa: F401
 from rollwise.algo import value as _value  # noqa: F401
 from rollwise.algo.advantages import group_stats
 from rollwise.algo.aggregation import batch_normalisers
@@ -110,10 +113,15 @@ def shape_rewards(
     lengths: torch.Tensor,
     group_ids: torch.Tensor,
     correct: torch.Tensor,
+    parts: dict[str, torch.Tensor] | None = None,
     **options,
 ) -> torch.Tensor:
-    """Length-shaped outcome rewards `[N]`."""
-    return SHAPING.get(name)(rewards, lengths, group_ids, correct, **options)
+    """Shaped outcome rewards `[N]`. `parts` (reward parts by name, `[N]` each; the env's per-episode sums are
+    `env/<part>`) go to shaping functions that declare a `parts` keyword (tool-use shaping)."""
+    fn = SHAPING.get(name)
+    if "parts" in inspect.signature(fn).parameters:
+        options["parts"] = parts or {}
+    return fn(rewards, lengths, group_ids, correct, **options)
 
 
 __all__ = [

@@ -402,3 +402,6 @@ def build_prompt_source(cfg: DataConfig, seed: int) -> PromptSource:
         )
     check_split(cfg.split, cfg.task, tuple(getattr(source, "splits", ("prompt",))))
     return source
+
+
+import rollwise.envs  # noqa: E402,F401  (registers the tasks kept beside their envs: calc, lookup; cycle-safe)

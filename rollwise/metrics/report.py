@@ -228,6 +228,29 @@ pre{background:#fff;border:1px solid #e3e3e3;padding:12px;font-size:12px;overflo
 """
 
 
+EPISODE_PREFIX = "episode/"
+EPISODE_PLOTS = (
+    PlotSpec("Turns per episode", "assistant turns per episode (mean)", ("episode/turns_mean",)),
+    PlotSpec("Tool calls per episode", "parsed tool calls per episode (mean)", ("episode/tool_calls_mean",)),
+    PlotSpec("Tool errors", "tool calls that failed (unknown tool, bad arguments, the tool raised)",
+             ("episode/tool_errors",)),
+    PlotSpec("Parse failures", "attempted tool calls that could not be parsed", ("episode/parse_failures",)),
+    PlotSpec("Tool time", "seconds in tools and, of those, in the sandbox", ("episode/tool_s", "episode/sandbox_s")),
+    PlotSpec("Episode length", "tokens per episode after the prompt (policy and tool)", ("episode/tokens_mean",)),
+    PlotSpec("Retokenize mismatch", "episodes whose tokens differ from a canonical render of the transcript",
+             ("episode/retokenize_mismatch",)),
+)
+
+
+def episodes_html(rows: list[dict[str, Any]]) -> str:
+    """The "Episodes" panel of multi-turn runs (`EPISODE_PLOTS`: turns, tool calls, tool errors, parse failures,
+    tool and sandbox time, episode tokens, retokenize mismatches); empty when no row has an `episode/*` key."""
+    if not any(key.startswith(EPISODE_PREFIX) for row in rows for key in row):
+        return ""
+    figures = "".join(f"<figure>{plot_svg(rows, spec)}</figure>" for spec in EPISODE_PLOTS)
+    return f"<h2>Episodes</h2><div class='plots'>{figures}</div>"
+
+
 def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
     """The report page for `rows` of the run in `run_dir`."""
     figures = [plot_svg(rows, spec) for spec in PLOTS] + [time_svg(rows)]
@@ -245,6 +268,7 @@ def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
         f"<div class='tables'><div><h2>Eval</h2>{eval_table_html(rows)}</div>"
         f"<div><h2>Time per stage</h2>{time_table_html(rows)}</div></div>",
         "<h2>Plots</h2><div class='plots'>" + "".join(f"<figure>{f}</figure>" for f in figures) + "</div>",
+        episodes_html(rows),
         f"<h2>Config</h2><pre>{config}</pre>" if config is not None else "",
         "</body></html>\n",
     ]

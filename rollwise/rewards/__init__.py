@@ -23,6 +23,7 @@ from rollwise.rewards.scoring import (
     score_samples,
 )
 from rollwise.rewards.verifiers import REWARDS, RewardFn, final_integer, final_number
+from rollwise.rewards import code as _code_tests  # noqa: E402,F401  (registers the code_tests reward)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

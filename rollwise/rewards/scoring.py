@@ -50,6 +50,10 @@ DEFAULT_TIMEOUT_S = 20.0  # RewardConfig.timeout_s's default, for callers withou
 MAX_ERROR_CHARS = 200
 
 
+class EnvironmentFailure(RuntimeError):
+    """An episode's environment raised: the sample is marked failed like a crashing reward (and counted)."""
+
+
 class RewardTimeout(TimeoutError):
     """The reward function ran past its time limit."""
 
@@ -182,6 +186,9 @@ def apply_result(sample: Sample, result: RewardResult) -> None:
     """Set the sample's reward, parts and `correct` (part `correct` > 0.5 if present, else reward > 0)."""
     sample.reward = float(result.value)
     sample.reward_parts = {k: float(v) for k, v in result.parts.items()}
+    episode = getattr(sample, "episode", None)
+    if episode is not None:  # the environment's per-episode parts, for shaping (rollwise.envs.episode)
+        sample.reward_parts.update({f"env/{k}": float(v) for k, v in episode.parts.items()})
     sample.reward_error, sample.reward_traceback = None, None
     if "correct" in sample.reward_parts:
         sample.correct = sample.reward_parts["correct"] > 0.5
@@ -204,10 +211,15 @@ def score_batch(samples: list[Sample], fn: RewardFn, timeout_s: float | None = D
     """Score every sample (in the calling thread, or in `fn`'s worker processes); return those scored.
 
     An `IsolatedReward` with several workers scores samples in parallel; `timeout_s` holds per sample."""
+    failed_env = {i: EnvironmentFailure(s.episode.error) for i, s in enumerate(samples)
+                  if getattr(s, "episode", None) is not None and s.episode.error}
+    todo = [s for i, s in enumerate(samples) if i not in failed_env]
     if is_isolated(fn):
-        outcomes = fn.score_many(samples, timeout_s)  # raises only when a worker cannot load the reward
+        outcomes = fn.score_many(todo, timeout_s) if todo else []  # raises only when a worker cannot load the reward
     else:
-        outcomes = [_call_in_process(fn, s, timeout_s) for s in samples]
+        outcomes = [_call_in_process(fn, s, timeout_s) for s in todo]
+    outcomes = iter(outcomes)
+    outcomes = [failed_env[i] if i in failed_env else next(outcomes) for i in range(len(samples))]
     scored = []
     for sample, outcome in zip(samples, outcomes):
         if isinstance(outcome, RewardResult):

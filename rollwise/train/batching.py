@@ -174,6 +174,10 @@ def _sample_tensors(samples: list[Sample], T: int, pad_id: int):
     valid = torch.zeros((S, T), dtype=torch.bool)
     for b, s in enumerate(samples):
         n = len(s.response_ids)
+        if len(s.loss_mask) != n or len(s.behaviour_logprobs) != n:
+            raise ValueError(f"sample of group {s.group_id}: {len(s.loss_mask)} loss-mask entries and "
+                             f"{len(s.behaviour_logprobs)} behaviour log-probs for {n} response tokens; they must "
+                             "be equal (an environment or engine appended tokens without their mask)")
         targets[b, :n] = torch.tensor(s.response_ids)
         mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
         blp[b, :n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)

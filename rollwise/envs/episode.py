@@ -1,0 +1,289 @@
+"""Multi-turn episodes in the Generate stage, token-exact.
+
+An episode is one `Sample` whose response holds every turn after the prompt:
+
+    prompt_ids | assistant turn 1 | closer + tool message + assistant header | assistant turn 2 | ...
+    loss_mask:      1 ... 1        |        0 ... 0                          |      1 ... 1
+
+- Each assistant turn is one engine request that continues from the episode's token ids
+  (`prompt_ids + response_ids[:turn_start]`); its tokens, behaviour log-probs and version spans are kept exactly
+  as the engine returned them. Nothing generated is ever decoded and encoded again.
+- What the environment adds is rendered as token ids with the chat template (`EpisodeCodec`): the template's
+  turn closer (minus what the policy already generated, e.g. its EOS), then the new messages and the next
+  assistant header, as the text the template adds after a fixed prefix. These tokens have loss mask 0 and
+  log-prob 0.0 (a placeholder that every loss multiplies by the mask; never a ratio input).
+- `episode/retokenize_mismatch` counts episodes whose ids differ from encoding the canonical render of the
+  transcript (what a re-tokenising pipeline would train on); it is a report, ours are the sampled ids.
+- Partial rollouts: an aborted turn keeps its tokens and continues in a later call; an episode stopped between
+  turns resumes at its next turn. `StopRule` works as in `rollwise.rollout.run_groups`.
+
+Turns run in rounds: every active episode's next turn goes to the engine in one `generate` call, then every
+environment steps. Status between rounds is PENDING; an episode left unfinished by a StopRule is ABORTED.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from itertools import count
+from typing import Any
+
+from rollwise.data.prompts import with_system
+from rollwise.envs.base import Env, EnvError
+from rollwise.rollout import FINAL, GenerateStats, StopRule, is_complete
+from rollwise.types import GenerationRequest, GenerationResult, Group, Message, Sample, SamplingParams, Status
+
+_PROBE = [{"role": "user", "content": "rollwise-probe-user"}, {"role": "assistant", "content": "rollwise-probe-reply"}]
+
+
+@dataclass
+class EpisodeState:
+    """What an episode carries between turns (pickles with the sample)."""
+
+    env_state: Any
+    messages: list[Message]  # the transcript: the prompt's messages, then every assistant and env message
+    turn_start: int = 0  # response position where the current assistant turn begins
+    assistant_turns: int = 0
+    parts: dict[str, float] = field(default_factory=dict)  # the env's reward parts, summed over turns
+    parse_failures: int = 0
+    tool_s: float = 0.0
+    sandbox_s: float = 0.0
+    env_s: float = 0.0  # time in env.step (tools included)
+    ended_by: str = ""  # "answer" | "turn_limit" | "token_limit" | "truncated"
+    final_text: str = ""
+    retokenize_mismatch: bool | None = None
+    error: str | None = None  # the environment raised: the sample is marked failed when scored
+
+
+class EpisodeCodec:
+    """Token ids of what the chat template puts between turns, and the canonical render for the mismatch count.
+
+    `tokenizer`: a HF tokenizer with a chat template; `system_prompt`: as the prompt encoder used it."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise EnvError(f"tokenizer {type(tokenizer).__name__} has no chat template: episodes need one")
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self._base = self._render(_PROBE, generation_prompt=False)
+        reply = _PROBE[-1]["content"]
+        self.closer_ids = self.encode(self._base[self._base.rindex(reply) + len(reply):])
+        self._blocks: dict[tuple, list[int]] = {}
+
+    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def closing_ids(self, turn_ids: list[int]) -> list[int]:
+        """The template's end of an assistant message, minus the part the turn already generated (its EOS)."""
+        closer = self.closer_ids
+        for k in range(min(len(closer), len(turn_ids)), 0, -1):
+            if turn_ids[-k:] == closer[:k]:
+                return closer[k:]
+        return list(closer)
+
+    def message_ids(self, messages: list[Message]) -> list[int]:
+        """`messages` and the next assistant header, as the template renders them after earlier turns."""
+        key = tuple((m["role"], m["content"]) for m in messages)
+        if key not in self._blocks:
+            full = self._render(_PROBE + list(messages), generation_prompt=True)
+            if not full.startswith(self._base):
+                raise EnvError("the chat template renders earlier turns differently once a message follows them; "
+                               "episodes need a template whose render of a conversation extends its prefix")
+            self._blocks = {} if len(self._blocks) > 4096 else self._blocks
+            self._blocks[key] = self.encode(full[len(self._base):])
+        return list(self._blocks[key])
+
+    def canonical_ids(self, messages: list[Message]) -> list[int]:
+        """The transcript rendered and tokenised as a whole (what re-tokenising pipelines train on)."""
+        return self.encode(self._render(with_system(messages, self.system_prompt), generation_prompt=False))
+
+
+def start_episode(sample: Sample, env: Env) -> None:
+    sample.episode = EpisodeState(env_state=env.reset(sample.prompt), messages=[dict(m) for m in sample.prompt.messages])
+    sample.response_ids, sample.behaviour_logprobs, sample.full_logprobs, sample.loss_mask = [], [], [], []
+    sample.version_spans, sample.turns, sample.tool_calls = [], [], []
+
+
+def turn_request(sample: Sample, params: SamplingParams, request_id: int, max_episode_tokens: int) -> GenerationRequest:
+    """The engine request of the sample's current assistant turn (continuing an aborted one)."""
+    start = sample.episode.turn_start
+    budget = min(params.max_new_tokens, max_episode_tokens - start)
+    return GenerationRequest(
+        request_id, sample.prompt_ids + sample.response_ids[:start], replace(params, max_new_tokens=budget),
+        response_ids=sample.response_ids[start:], response_logprobs=sample.behaviour_logprobs[start:],
+        response_full_logprobs=sample.full_logprobs[start:])
+
+
+def merge_turn(sample: Sample, result: GenerationResult) -> list[int]:
+    """Take the engine's tokens of the current turn into the sample; returns the turn's ids."""
+    start = sample.episode.turn_start
+    earlier = sample.response_ids[start:]
+    full = list(result.full_logprobs if len(result.full_logprobs) == len(result.response_ids) else result.logprobs)
+    known = sample.full_logprobs[start:]
+    if earlier and len(known) == len(earlier) and result.response_ids[:len(earlier)] == earlier:
+        full[:len(earlier)] = known
+    n = len(result.response_ids)
+    sample.response_ids = sample.response_ids[:start] + list(result.response_ids)
+    sample.behaviour_logprobs = sample.behaviour_logprobs[:start] + list(result.logprobs)
+    sample.full_logprobs = sample.full_logprobs[:start] + full
+    sample.loss_mask = sample.loss_mask[:start] + [1] * n
+    sample.version_spans = sample.version_spans + [(start + a, start + b, v) for a, b, v in result.version_spans]
+    return list(result.response_ids)
+
+
+def append_env_tokens(sample: Sample, ids: list[int], role: str) -> None:
+    """Tokens the policy did not sample: loss mask 0, log-prob placeholder 0.0, a turn of `role`."""
+    if not ids:
+        return
+    start = len(sample.response_ids)
+    sample.response_ids = sample.response_ids + list(ids)
+    sample.behaviour_logprobs = sample.behaviour_logprobs + [0.0] * len(ids)
+    sample.full_logprobs = sample.full_logprobs + [0.0] * len(ids)
+    sample.loss_mask = sample.loss_mask + [0] * len(ids)
+    sample.turns.append((start, start + len(ids), role))
+
+
+def end_episode(sample: Sample, codec: EpisodeCodec, ended_by: str, status: Status) -> None:
+    ep = sample.episode
+    ep.ended_by = ended_by
+    sample.status = status
+    sample.response_text = ep.final_text
+    canonical = codec.canonical_ids(ep.messages)
+    ours = sample.prompt_ids + sample.response_ids
+    ep.retokenize_mismatch = canonical[:len(ours)] != ours
+
+
+def finish_turn(sample: Sample, result: GenerationResult, env: Env, codec: EpisodeCodec,
+                max_episode_tokens: int) -> None:
+    """Merge a finished (or aborted) turn; step the environment; append its messages or end the episode."""
+    ep = sample.episode
+    start = ep.turn_start
+    turn_ids = merge_turn(sample, result)
+    if result.status == Status.ABORTED:
+        sample.status = Status.ABORTED
+        return
+    sample.turns.append((start, start + len(turn_ids), "assistant"))
+    ep.assistant_turns += 1
+    text = codec.decode(turn_ids)
+    ep.final_text = text
+    ep.messages.append({"role": "assistant", "content": text})
+    if result.status == Status.TRUNCATED:
+        return end_episode(sample, codec, "truncated", Status.TRUNCATED)
+    began = time.perf_counter()
+    try:
+        step = env.step(ep.env_state, text)
+    except Exception as exc:  # counted: the sample fails when scored, and persistent failures stop the run
+        ep.error = f"env {getattr(env, 'name', type(env).__name__)!r} step {ep.assistant_turns} failed: " \
+                   f"{type(exc).__name__}: {exc}"
+        return end_episode(sample, codec, "env_error", Status.COMPLETED)
+    ep.env_s += time.perf_counter() - began
+    for key, value in step.reward_parts.items():
+        ep.parts[key] = ep.parts.get(key, 0.0) + float(value)
+    ep.parse_failures += step.parse_failures
+    sample.tool_calls = sample.tool_calls + list(step.tool_calls)
+    ep.tool_s += sum(c.wall_s for c in step.tool_calls)
+    ep.sandbox_s += sum(c.sandbox_s for c in step.tool_calls)
+    if step.done or not step.messages:
+        return end_episode(sample, codec, "answer", Status.COMPLETED)
+    if ep.assistant_turns >= env.max_turns:
+        return end_episode(sample, codec, "turn_limit", Status.COMPLETED)
+    append_env_tokens(sample, codec.closing_ids(turn_ids), "template")
+    append_env_tokens(sample, codec.message_ids(step.messages), step.messages[0]["role"])
+    ep.messages.extend(dict(m) for m in step.messages)
+    ep.turn_start = len(sample.response_ids)
+    if ep.turn_start >= max_episode_tokens:
+        return end_episode(sample, codec, "token_limit", Status.TRUNCATED)
+    sample.status = Status.PENDING
+
+
+def run_episodes(engine, groups: list[Group], params: SamplingParams, ids: count, env: Env, codec: EpisodeCodec,
+                 stop: StopRule | None = None, max_episode_tokens: int = 512) -> GenerateStats:
+    """Run every unfinished sample of `groups` as an episode (in place), turn by turn in rounds.
+
+    `params.max_new_tokens` bounds one assistant turn; `max_episode_tokens` everything after the prompt.
+    With `stop`, once `stop.after_groups` groups are complete the rest are aborted (those in `stop.keep` run on).
+    """
+    samples = [s for g in groups for s in g.samples if s.status not in FINAL]
+    for s in samples:
+        if s.episode is None:
+            start_episode(s, env)
+    turn_params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *env.stop))))
+    group_of = {id(s): g for g in groups for s in g.samples}
+    done = {id(g) for g in groups if is_complete(g)}
+    stats = GenerateStats()
+    stopped = False
+    while True:
+        todo = [s for s in samples if s.status not in FINAL and (not stopped or s.group_id in stop.keep)]
+        if not todo:
+            break
+        sample_of = {}
+        for s in todo:
+            sample_of[next(ids)] = s
+        requests = [turn_request(s, turn_params, rid, max_episode_tokens) for rid, s in sample_of.items()]
+
+        def on_finish(result: GenerationResult) -> None:
+            nonlocal stopped
+            sample = sample_of[result.request_id]
+            finish_turn(sample, result, env, codec, max_episode_tokens)
+            if is_complete(group_of[id(sample)]):
+                done.add(id(group_of[id(sample)]))
+            if stop is not None and not stopped and len(done) >= stop.after_groups:
+                stopped = True
+                engine.abort([rid for rid, s in sample_of.items()
+                              if s.status not in FINAL and s.group_id not in stop.keep])
+
+        engine.generate(requests, on_finish=on_finish)
+        stats.requests += len(requests)
+    for s in samples:
+        if s.status == Status.PENDING:  # stopped between turns: continues at its next turn
+            s.status = Status.ABORTED
+    stats.aborted = sum(s.status == Status.ABORTED for s in samples)
+    stats.groups_completed = len(done)
+    return stats
+
+
+def transcript(sample: Sample) -> list[Message]:
+    """Every message of the episode (prompt, assistant, tool results); one-turn samples: prompt + response."""
+    if sample.episode is None:
+        return [*sample.prompt.messages, {"role": "assistant", "content": sample.response_text}]
+    return [dict(m) for m in sample.episode.messages]
+
+
+def final_text(sample: Sample) -> str:
+    return sample.episode.final_text if sample.episode is not None else sample.response_text
+
+
+def episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`episode/*` means over finished episodes, failed ones included (none when no sample is an episode)."""
+    ended = (*FINAL, Status.FAILED)
+    eps = [s for s in samples if getattr(s, "episode", None) is not None and s.status in ended and s.episode.ended_by]
+    if not eps:
+        return {}
+    n = len(eps)
+
+    def mean(values) -> float:
+        return float(sum(values)) / n
+
+    out = {
+        "episode/n": float(n),
+        "episode/turns_mean": mean(s.episode.assistant_turns for s in eps),
+        "episode/tool_calls_mean": mean(len(s.tool_calls) for s in eps),
+        "episode/tool_errors": float(sum(c.error is not None for s in eps for c in s.tool_calls)),
+        "episode/parse_failures": float(sum(s.episode.parse_failures for s in eps)),
+        "episode/tool_s": float(sum(s.episode.tool_s for s in eps)),
+        "episode/sandbox_s": float(sum(s.episode.sandbox_s for s in eps)),
+        "episode/env_s": float(sum(s.episode.env_s for s in eps)),
+        "episode/tokens_mean": mean(len(s.response_ids) for s in eps),
+        "episode/policy_tokens_mean": mean(sum(s.loss_mask) for s in eps),
+        "episode/retokenize_mismatch": mean(bool(s.episode.retokenize_mismatch) for s in eps),
+        "episode/env_errors": float(sum(s.episode.error is not None for s in eps)),
+    }
+    for reason in ("answer", "turn_limit", "token_limit", "truncated"):
+        out[f"episode/ended_{reason}_frac"] = mean(s.episode.ended_by == reason for s in eps)
+    return out
