@@ -119,15 +119,20 @@ def eval_cmd(
     n: int = typer.Option(500, "--n", help="held-out prompts"),
     temperature: float = typer.Option(0.7, "--temperature"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    data: Optional[str] = typer.Option(None, "--data", help="JSONL of rows with 'prompt' and 'answer', run in "
+                                       "the task's environment (instead of its held-out split)"),
+    out: Optional[str] = typer.Option(None, "--out", help="write one JSON line per episode: prompt, answer, "
+                                      "transcript, final, correct"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),
     debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:
-    """Accuracy on a task's held-out split: prints one JSON object."""
+    """Accuracy on a task's held-out split (or on --data): prints one JSON object."""
     _quiet_libraries()
     from rollwise.evaluate_cli import run_eval_command
 
     with guard(None, debug):
-        result = run_eval_command(model, task, n, temperature, max_new_tokens, list(overrides or []))
+        result = run_eval_command(model, task, n, temperature, max_new_tokens, list(overrides or []),
+                                  data=data, out=out)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import torch
 
 from rollwise.config import load_config
+from rollwise.envs import build_env
+from rollwise.envs.episode import EpisodeCodec, final_text, transcript
+from rollwise.rollout import Episodes
 from rollwise.data import PromptEncoder, build_prompt_source
 from rollwise.evaluate import evaluate
 from rollwise.generate import TorchEngine
@@ -45,28 +49,38 @@ def load_policy(target: str, base_name: str):
 
 
 def run_eval_command(model: str, task: str | None, n: int, temperature: float, max_new_tokens: int | None,
-                     overrides: list[str]) -> dict:
+                     overrides: list[str], data: str | None = None, out: str | None = None) -> dict:
     target, recipe = resolve_target(model)
     extra = [f"data.task={_quote(task)}"] if task else []
     cfg = load_config(recipe if recipe and recipe.exists() else None, overrides + extra)
-    if task:  # another task than the run's: its own data and split
+    if task or data:  # another task than the run's (or a file of prompts): its own data and split
         cfg.data.path = None
         cfg.data.eval_path = None
         cfg.data.split = "prompt"
     configure_allocator()
     configure_threads(cfg.model.threads)
     start = time.perf_counter()
+    task_source = build_prompt_source(cfg.data, cfg.train.seed)
+    if data and cfg.data.system_prompt is None:  # file rows run behind the task's own system prompt
+        cfg.data.system_prompt = getattr(task_source, "system_prompt", None)
+    source = FilePrompts(data, cfg.data) if data else task_source
+    env = build_env(cfg.env, getattr(task_source, "default_env", None))
     policy, tokenizer = load_policy(target, cfg.model.name)
     engine = TorchEngine(policy, tokenizer, dtype=engine_dtype(cfg.model.dtype), max_batch_size=cfg.rollout.max_batch_size)
-    source = build_prompt_source(cfg.data, cfg.train.seed)
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
     prompts = encode_eval_prompts(source, encoder, n)
-    reward_fn = build_reward_fn(cfg.reward, source.default_reward)
+    reward_fn = build_reward_fn(cfg.reward, task_source.default_reward)
+    episodes = None if env is None else Episodes(env, EpisodeCodec(tokenizer, cfg.data.system_prompt),
+                                                 cfg.env.max_episode_tokens)
+    kept: list = []
     try:
         metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens or cfg.rollout.max_new_tokens,
-                           reward_timeout_s=cfg.reward.timeout_s)
+                           reward_timeout_s=cfg.reward.timeout_s, episodes=episodes, keep_samples=kept)
     finally:
         getattr(reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
+    if out:
+        write_episodes(Path(out), kept)
+    episode_keys = {k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items() if "_episode/" in k}
     return {
         "model": target,
         "task": cfg.data.path or cfg.data.task,
@@ -76,8 +90,41 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         "greedy_accuracy": metrics["eval/greedy_accuracy"],
         "response_len_mean": metrics["eval/response_len_mean"],
         "greedy_response_len_mean": metrics["eval/greedy_response_len_mean"],
+        **episode_keys,
+        **({"out": out} if out else {}),
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+class FilePrompts:
+    """`rollwise eval --data FILE`: every row of FILE (prompt + answer, as in data.path) is a held-out prompt."""
+
+    def __init__(self, path: str, cfg) -> None:
+        from rollwise.data.files import load_prompts
+
+        self.name = Path(path).name
+        self._rows = load_prompts(path, cfg)
+        self.num_eval = len(self._rows)
+
+    def eval_prompts(self, n: int):
+        return self._rows[:n]
+
+    def split_summary(self) -> str:
+        return f"all {self.num_eval} rows of {self.name} (--data)"
+
+
+def write_episodes(path: Path, kept: list) -> None:
+    """One JSON line per evaluated response (both modes): prompt, answer, transcript, final, correct."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for mode, samples in kept:
+            for s in samples:
+                f.write(json.dumps({"mode": mode, "prompt": s.prompt.messages[-1]["content"], "answer": s.prompt.answer,
+                                    "transcript": transcript(s), "final": final_text(s), "correct": s.correct,
+                                    "reward": s.reward, "status": s.status.value, "error": s.reward_error,
+                                    "source": s.prompt.source}) + "\n")
+    tmp.replace(path)
 
 
 def _quote(value: str) -> str:

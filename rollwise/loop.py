@@ -138,7 +138,7 @@ def episode_record(s: Sample) -> dict:
     return {"transcript": transcript(s), "ended_by": ep.ended_by, "turns": [list(t) for t in s.turns],
             "tool_calls": [{"name": c.name, "args": c.args, "result": c.result, "error": c.error,
                             "wall_s": c.wall_s} for c in s.tool_calls],
-            "env_parts": ep.parts, "env_error": ep.error}
+            "env_parts": ep.parts, "turn_parts": ep.turn_parts, "env_error": ep.error}
 
 
 def rollout_metrics(samples: list[Sample], generated_tokens: int, generate_s: float) -> dict[str, float]:

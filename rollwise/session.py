@@ -245,7 +245,11 @@ def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -
 
 def build_substitution(run: Run):
     """ToolExpander's hard-sample substitution when the task offers guided prompts (rollwise.envs.substitution)."""
-    if run.episodes is None or not hasattr(run.source, "guided_prompt") or not hasattr(run.rollouts, "engine"):
+    if run.episodes is None or not hasattr(run.source, "guided_prompt"):
+        return None
+    if not hasattr(run.rollouts, "engine"):
+        print(f"rollwise: task {run.source.name!r}: hard-sample substitution needs the run's own engine; it is off "
+              f"with rollout.source = {run.cfg.rollout.source!r}", flush=True)
         return None
     rollout = run.cfg.rollout
     if rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0:

@@ -305,3 +305,29 @@ def test_train_into_run_dir_with_metrics_but_no_checkpoint_fails(tmp_path, tiny_
                                                                                          "eval.n": 0}))
     assert result.exit_code != 0
     assert (run_dir / "metrics.jsonl").read_text() == old
+
+
+def test_eval_with_data_and_out_runs_the_tasks_environment(tmp_path, tiny_model_dir):
+    """`rollwise eval --task calc --data FILE --out FILE`: every row runs as an episode in the calc environment
+    and one line per episode holds its transcript (tool results included) and final message."""
+    rows = [{"prompt": "What is 123 * 45?", "answer": "5535"}, {"prompt": "Compute 400 * 12.", "answer": "4800"},
+            {"prompt": "Calculate 250 times 16.", "answer": "4000"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "episodes.jsonl"
+    result = invoke("eval", "--model", str(tiny_model_dir), "--task", "calc", "--data", str(data), "--out", str(out),
+                    "--n", "10", "--max-new-tokens", "6", "env.max_turns=2", "model.threads=1")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["n"] == 3 and summary["greedy_episode/n"] == 3.0 and summary["out"] == str(out)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["prompt"], r["answer"]) for r in lines] == [
+        (mode, r["prompt"], r["answer"]) for mode in ("sampled", "greedy") for r in rows]
+    for line in lines:
+        transcript = line["transcript"]
+        assert transcript[0]["role"] == "system" and "calculator" in transcript[0]["content"]  # the task's
+        assert transcript[1] == {"role": "user", "content": line["prompt"]}
+        assert transcript[-1]["role"] == "assistant" and isinstance(line["correct"], bool)
+        assert line["final"] == transcript[-1]["content"]
+    bad = invoke("eval", "--model", str(tiny_model_dir), "--task", "calc", "--data", str(tmp_path / "nope.jsonl"))
+    assert bad.exit_code != 0 and "nope.jsonl" in bad.output

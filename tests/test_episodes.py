@@ -13,7 +13,8 @@ from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 from rollwise.data.prompts import encode_prompt
 from rollwise.envs.base import StepResult
-from rollwise.envs.episode import EpisodeCodec, episode_metrics, finish_turn, run_episodes, start_episode, transcript
+from rollwise.envs.episode import (EpisodeCodec, episode_metrics, final_text, finish_turn, run_episodes, start_episode,
+                                   transcript)
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.rewards import score_batch
 from rollwise.rollout import StopRule, new_groups
@@ -192,9 +193,14 @@ def test_turn_and_token_limits_end_episodes():
     groups = new_groups(encoded(tok), 2, 0)
     run_episodes(TorchEngine(model, tok, seed=0), groups, SamplingParams(max_new_tokens=8), count(),
                  EchoEnv(turns=99, stop=("e", "a", "o", "1"), max_turns=2), codec, max_episode_tokens=400)
+    ended = set()
     for s in (s for g in groups for s in g.samples):
         assert s.episode.assistant_turns <= 2
         assert s.episode.ended_by in ("turn_limit", "truncated")
+        ended.add(s.episode.ended_by)
+        if s.episode.ended_by == "turn_limit":  # still calling tools when cut: no answer to score
+            assert s.response_text == "" and final_text(s) == s.episode.messages[-1]["content"] != ""
+    assert "turn_limit" in ended
     groups = new_groups(encoded(tok), 2, 0)
     run_episodes(TorchEngine(model, tok, seed=0), groups, SamplingParams(max_new_tokens=8), count(),
                  EchoEnv(turns=99, stop=("e", "a", "o", "1"), max_turns=50), codec, max_episode_tokens=40)

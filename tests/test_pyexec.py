@@ -84,7 +84,7 @@ def test_right_code_ends_the_episode_with_a_recorded_run(task):
     state = env.reset(prompt)
     step = env.step(state, good_mul(prompt.info["k"]))
     assert step.done and step.messages == []
-    assert step.reward_parts["tests_passed"] == step.reward_parts["tests_total"] == 5.0
+    assert step.reward_parts["tests_passed"] == step.reward_parts["tests_total"] == 2.0  # the visible tests
     [call] = step.tool_calls
     assert (call.name, call.turn, call.result, call.error) == ("run_tests", 0, "all tests passed", None)
     assert 0.0 < call.sandbox_s <= call.wall_s and step.reward_parts["sandbox_s"] == call.sandbox_s
@@ -99,7 +99,7 @@ def test_a_failure_gets_feedback_then_the_last_turn_ends(task):
     assert not first.done and first.reward_parts["tests_passed"] == 0.0
     [message] = first.messages
     assert message["role"] == "user"
-    assert message["content"].startswith(f"Your code passed 0 of 5 tests. Failed:\n- `assert f(0) == 0`: got {k}, "
+    assert message["content"].startswith(f"Your code passed 0 of 2 tests. Failed:\n- `assert f(0) == 0`: got {k}, "
                                          f"expected 0\n- `assert f(1) == {k}`: got {k + 1}, expected {k}\n")
     assert message["content"].endswith("reply with the complete corrected code in a ```python block.")
     last = env.step(state, wrong_mul(k))
@@ -115,8 +115,25 @@ def test_no_code_and_cut_feedback(task):
     crash = env.step(state, "```python\ndef f(x):\n    return x / 0\n```")
     body = crash.messages[0]["content"]
     head, _, tail = body.partition(" ... [cut]\n")
-    assert head.startswith("Your code passed 0 of 5 tests. Failed:\n") and len(head) == 40
+    assert head.startswith("Your code passed 0 of 2 tests. Failed:\n") and len(head) == 40
     assert tail.startswith("Fix the function")
+
+
+def test_feedback_shows_visible_tests_only_and_the_reward_scores_the_hidden_ones(task):
+    """Code that hard-codes the expected values the feedback showed ends the episode but fails the hidden tests."""
+    from rollwise.rewards.code import run_tests
+
+    env = PyExecEnv(max_turns=2)
+    prompt = mul_prompt(task)
+    k, tests = prompt.info["k"], prompt.info["tests"]
+    assert len(tests) == 5
+    copied = f"```python\ndef f(x):\n    return {{0: 0, 1: {k}}}.get(x, -1)\n```"
+    state = env.reset(prompt)
+    step = env.step(state, copied)
+    assert step.done and step.reward_parts["tests_passed"] == step.reward_parts["tests_total"] == 2.0
+    hidden = run_tests(copied.split("```python\n")[1].split("```")[0], tests)
+    assert hidden.total == 5 and hidden.passed == 2
+    assert PyExecEnv(max_turns=2, feedback_tests=0).visible(tests) == tests
 
 
 def test_env_options_are_checked():

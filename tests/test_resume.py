@@ -45,6 +45,11 @@ VARIANTS = {
     "partial-replay": {"control.partial_rollouts": True, "control.over_provision": 2.0, "rollout.stop": ["e"],
                        "rollout.max_new_tokens": 24, "algo.is_correction": "tis_token", "replay.kind": "ssr",
                        "replay.mix_ratio": 0.5, "control.dynamic_sampling": True},
+    # multi-turn episodes, some carried over mid-episode (their env state and transcript cross the checkpoint)
+    "episodes-partial": {"env.name": "toy_plugins:toy_tool_env", "reward.fn": "toy_plugins:tool_call_fraction",
+                         "env.max_turns": 3, "env.max_episode_tokens": 64, "control.partial_rollouts": True,
+                         "control.over_provision": 2.0, "algo.is_correction": "tis_token",
+                         "control.dynamic_sampling": True},
 }
 
 

@@ -157,7 +157,7 @@ def test_plugin_task_by_dotted_path(monkeypatch):
 
 
 def test_unknown_task_lists_registered():
-    with pytest.raises(KeyError, match="arith, letters"):
+    with pytest.raises(KeyError, match=r"registered: arith, calc, letters, lookup, pyexec"):
         build_prompt_source(DataConfig(task="nope"), seed=0)
 
 

@@ -351,3 +351,38 @@ def test_embedded_model_greedy_equals_torch_engine():
     while time.time() < deadline and [p for p in _own_children() if p.pid not in before]:
         time.sleep(0.5)
     assert not [p for p in _own_children() if p.pid not in before]
+
+
+def test_episodes_on_vllm_equal_the_torch_engine_and_continue_after_abort(engines, tok):
+    """Multi-turn episodes (rollwise.envs.episode) on vLLM: greedy episodes are token-for-token those of the
+    torch engine (stop strings included), sampled ones keep exact log-probs across an abort and a new version."""
+    from itertools import count
+
+    from rollwise.data.prompts import encode_prompt
+    from rollwise.envs.episode import EpisodeCodec, run_episodes
+    from rollwise.rollout import StopRule, new_groups
+    from test_episodes import PROMPTS, EchoEnv
+
+    engine, model = engines["tied"]
+    codec = EpisodeCodec(tok)
+    enc = [(p, encode_prompt(p, tok, None)) for p in PROMPTS]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    runs = []
+    for eng in (engine, TorchEngine(model, tok, max_batch_size=4)):
+        groups = new_groups(enc, 1, 0)
+        run_episodes(eng, groups, greedy, count(), EchoEnv(), codec, max_episode_tokens=150)
+        runs.append([(s.response_ids, s.loss_mask, s.turns) for g in groups for s in g.samples])
+    assert runs[0] == runs[1]
+    assert any(len(turns) > 1 for _, _, turns in runs[0])
+    groups = new_groups(enc, 4, 0)
+    ids = count()
+    run_episodes(engine, groups, SamplingParams(max_new_tokens=10), ids, EchoEnv(stop=("e",)), codec,
+                 stop=StopRule(after_groups=1), max_episode_tokens=150)
+    engine.version += 1
+    run_episodes(engine, groups, SamplingParams(max_new_tokens=10), ids, EchoEnv(stop=("e",)), codec,
+                 max_episode_tokens=150)
+    for s in (s for g in groups for s in g.samples):
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED)
+        want = token_logprobs(model, s.prompt_ids, s.response_ids)
+        assert max(abs(a - b) for a, b, m in zip(want, s.behaviour_logprobs, s.loss_mask) if m) < TOL
+        assert sum(b - a for a, b, _ in s.version_spans) == sum(s.loss_mask)

@@ -125,3 +125,40 @@ def sleep_then_one(sample: Sample) -> float:
     """1.0 after sleeping `sample.info["sleep_s"]` seconds (0 when unset)."""
     time.sleep(float(sample.info.get("sleep_s", 0.0)))
     return 1.0
+
+
+# -- a toy tool environment (tests/test_episodes_learning.py) ------------------------------------------------
+class ToyToolEnv:
+    """A turn that ends at one of the digits 7, 8, 9 is a "tool call": the tool answers `ok` and the episode
+    goes on, up to `max_turns`; any other turn ends it. A random tiny model calls about once per three
+    episodes; the reward `tool_call_fraction` pays for calls, so GRPO must raise it."""
+
+    name = "toy_tool"
+    stop = ("7", "8", "9")
+
+    def __init__(self, max_turns: int) -> None:
+        self.max_turns = max_turns
+
+    def reset(self, prompt):
+        return {"turn": 0}
+
+    def step(self, state, text):
+        from rollwise.envs.base import StepResult
+        from rollwise.types import ToolCall
+
+        state["turn"] += 1
+        if not text.endswith(self.stop):
+            return StepResult(done=True, reward_parts={"tool_calls": 0.0})
+        call = ToolCall(name="digit", args={"text": text[-1]}, turn=state["turn"] - 1, result="ok")
+        return StepResult(messages=[{"role": "tool", "content": "ok"}], reward_parts={"tool_calls": 1.0},
+                          tool_calls=[call])
+
+
+def toy_tool_env(cfg):
+    return ToyToolEnv(cfg.max_turns)
+
+
+def tool_call_fraction(sample: Sample) -> RewardResult:
+    """Tool calls of the episode per allowed turn (the env's summed `tool_calls` part)."""
+    calls = sample.episode.parts.get("tool_calls", 0.0)
+    return RewardResult(value=calls / 3.0, parts={"calls": calls})

@@ -51,6 +51,7 @@ class CalcTask:
     name = "calc"
     default_reward = "arith"
     default_env = "calc"
+    system_prompt = SYSTEM  # for prompts from a file run in this environment (`rollwise eval --data`)
     splits = ("prompt", "fact")  # always held out by fact, which implies by prompt text
 
     def __init__(self, cfg: DataConfig, seed: int, example_prob: float = 1.0, withdraw_at: float = 0.5,
@@ -113,7 +114,7 @@ class CalcTask:
         with_ex = [s for g in groups if g.prompt.info.get("example") for s in g.usable()]
         accuracy = sum(bool(s.correct) for s in with_ex) / len(with_ex) if with_ex else None
         if accuracy is not None and accuracy >= self.withdraw_at:
-            self.example_prob = max(0.0, self.example_prob - self.withdraw_step)
+            self.example_prob = max(0.0, round(self.example_prob - self.withdraw_step, 9))
         out = {"curriculum/example_prob": self.example_prob}
         if accuracy is not None:
             out["curriculum/example_accuracy"] = accuracy

@@ -41,10 +41,13 @@ class EpisodeState:
     """What an episode carries between turns (pickles with the sample)."""
 
     env_state: Any
-    messages: list[Message]  # the transcript: the prompt's messages, then every assistant and env message
+    messages: list[Message]  # the transcript: the prompt's messages (system turn included), then every
+    # assistant and env message; the first `prompt_messages` are the prompt's
+    prompt_messages: int = 0
     turn_start: int = 0  # response position where the current assistant turn begins
     assistant_turns: int = 0
     parts: dict[str, float] = field(default_factory=dict)  # the env's reward parts, summed over turns
+    turn_parts: list[dict[str, float]] = field(default_factory=list)  # the same, per assistant turn
     parse_failures: int = 0
     tool_s: float = 0.0
     sandbox_s: float = 0.0
@@ -104,8 +107,9 @@ class EpisodeCodec:
         return self.encode(self._render(with_system(messages, self.system_prompt), generation_prompt=False))
 
 
-def start_episode(sample: Sample, env: Env) -> None:
-    sample.episode = EpisodeState(env_state=env.reset(sample.prompt), messages=[dict(m) for m in sample.prompt.messages])
+def start_episode(sample: Sample, env: Env, system_prompt: str | None = None) -> None:
+    messages = [dict(m) for m in with_system(sample.prompt.messages, system_prompt)]
+    sample.episode = EpisodeState(env_state=env.reset(sample.prompt), messages=messages, prompt_messages=len(messages))
     sample.response_ids, sample.behaviour_logprobs, sample.full_logprobs, sample.loss_mask = [], [], [], []
     sample.version_spans, sample.turns, sample.tool_calls = [], [], []
 
@@ -149,11 +153,17 @@ def append_env_tokens(sample: Sample, ids: list[int], role: str) -> None:
     sample.turns.append((start, start + len(ids), role))
 
 
+NO_ANSWER = ("turn_limit", "token_limit")  # the policy was still calling tools when the episode was cut
+
+
 def end_episode(sample: Sample, codec: EpisodeCodec, ended_by: str, status: Status) -> None:
+    """Finish the episode. `response_text` (what outcome rewards score) is the final assistant message; an
+    episode cut at the turn or token limit while the policy was still calling tools has NO answer (empty text),
+    so a policy cannot score by ending on a tool call that happens to contain the answer."""
     ep = sample.episode
     ep.ended_by = ended_by
     sample.status = status
-    sample.response_text = ep.final_text
+    sample.response_text = "" if ended_by in NO_ANSWER else ep.final_text
     canonical = codec.canonical_ids(ep.messages)
     ours = sample.prompt_ids + sample.response_ids
     ep.retokenize_mismatch = canonical[:len(ours)] != ours
@@ -183,6 +193,7 @@ def finish_turn(sample: Sample, result: GenerationResult, env: Env, codec: Episo
                    f"{type(exc).__name__}: {exc}"
         return end_episode(sample, codec, "env_error", Status.COMPLETED)
     ep.env_s += time.perf_counter() - began
+    ep.turn_parts.append({k: float(v) for k, v in step.reward_parts.items()})
     for key, value in step.reward_parts.items():
         ep.parts[key] = ep.parts.get(key, 0.0) + float(value)
     ep.parse_failures += step.parse_failures
@@ -212,7 +223,7 @@ def run_episodes(engine, groups: list[Group], params: SamplingParams, ids: count
     samples = [s for g in groups for s in g.samples if s.status not in FINAL]
     for s in samples:
         if s.episode is None:
-            start_episode(s, env)
+            start_episode(s, env, codec.system_prompt)
     turn_params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *env.stop))))
     group_of = {id(s): g for g in groups for s in g.samples}
     done = {id(g) for g in groups if is_complete(g)}

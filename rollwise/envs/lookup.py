@@ -58,7 +58,7 @@ PHRASINGS = {
 SYSTEM_PROMPT = (
     "You answer questions about people from a records database. You cannot know the answer yourself: "
     "look the person up first by writing <lookup>FULL NAME</lookup> and stop. The database answers with the "
-    "person's record. Then reply with the answer only, for example: ropemaker"
+    "person's record. Then reply with the answer, for example: The answer is ropemaker."
 )
 # the worked example: a record outside the world, always the same (prompts keep one uid per question text)
 EXAMPLE_RECORD = {"name": "Orrin Vail", "town": "Mossbury", "year": 1791, "occupation": "ropemaker", "pet": "heron"}
@@ -132,13 +132,13 @@ def lookup_tool(records: list[dict[str, Any]]) -> Tool:
 # --------------------------------------------------------------------------------------------------- task
 
 def example_messages() -> list[Message]:
-    """One worked exchange: the question, the call, the tool's record, the bare answer."""
+    """One worked exchange: the question, the call, the tool's record, "The answer is ..."."""
     name = EXAMPLE_RECORD["name"]
     return [
         {"role": "user", "content": PHRASINGS[EXAMPLE_ATTRIBUTE][0].format(name=name)},
         {"role": "assistant", "content": f"<lookup>{name}</lookup>"},
         {"role": "tool", "content": record_line(EXAMPLE_RECORD)},
-        {"role": "assistant", "content": str(EXAMPLE_RECORD[EXAMPLE_ATTRIBUTE])},
+        {"role": "assistant", "content": f"The answer is {EXAMPLE_RECORD[EXAMPLE_ATTRIBUTE]}."},
     ]
 
 

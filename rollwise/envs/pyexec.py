@@ -9,8 +9,9 @@ phrasing; evaluation asks them in the first phrasing, capped at `data.eval_size`
 can be trained with another k.
 
 Episode (`env.name = "pyexec"`, the task's default): the assistant answers with code; the env runs it against
-the row's tests (`rollwise.rewards.code.run_tests`, one sandbox run, recorded as a ToolCall "run_tests" with its
-`sandbox_s`). All pass: done. Otherwise, with turns left, a `user` message lists the failures (cut to
+the row's first `feedback_tests` asserts (default 2; `rollwise.rewards.code.run_tests`, one sandbox run,
+recorded as a ToolCall "run_tests" with its `sandbox_s`). They pass: done. The reward scores the final code on ALL
+the row's asserts, so the others are hidden tests: expected values copied from the feedback do not pass them. Otherwise, with turns left, a `user` message lists the failures (cut to
 `feedback_chars`) and asks for a fix; else done. Per-turn parts: `runs`, `tests_passed`, `tests_total`,
 `sandbox_s`. The task's reward is `code_tests` on the final message. A sandbox failure raises (the episode is
 marked failed, never scored 0).
@@ -244,15 +245,19 @@ class PyExecEnv:
     stop: tuple[str, ...] = ()  # a turn ends at the end of the message
 
     def __init__(self, max_turns: int = 2, feedback_chars: int = 800, name: str = "pyexec",
-                 **limits: float) -> None:
-        """`limits`: overrides of `rollwise.sandbox.Limits` fields (`env.options.cpu_s = 2`, ...)."""
+                 feedback_tests: int = 2, **limits: float) -> None:
+        """`limits`: overrides of `rollwise.sandbox.Limits` fields (`env.options.cpu_s = 2`, ...).
+        `feedback_tests`: the episode runs (and shows the failures of) only the first that many of a row's asserts;
+        the reward scores all of them, so copying expected values from the feedback cannot pass the hidden ones
+        (0 = every test is visible)."""
         self.name = name
         self.max_turns = int(max_turns)
         self.feedback_chars = int(feedback_chars)
+        self.feedback_tests = int(feedback_tests)
         unknown = sorted(set(limits) - set(CODE_LIMITS.__dataclass_fields__))
         if unknown:
-            raise EnvError(f"env.options of 'pyexec': unknown {unknown}; it takes feedback_chars and the sandbox "
-                           f"limits {sorted(CODE_LIMITS.__dataclass_fields__)}")
+            raise EnvError(f"env.options of 'pyexec': unknown {unknown}; it takes feedback_chars, "
+                           f"feedback_tests and the sandbox limits {sorted(CODE_LIMITS.__dataclass_fields__)}")
         self.limits = replace(CODE_LIMITS, **limits)
 
     def reset(self, prompt: Prompt) -> dict[str, Any]:
@@ -270,7 +275,7 @@ class PyExecEnv:
             messages = [] if last_turn else [{"role": "user", "content": NO_CODE_FEEDBACK}]
             return StepResult(messages=messages, done=last_turn, reward_parts=parts)
         start = time.perf_counter()
-        outcome = run_tests(code, prompt.info["tests"], self.limits, prompt.source or prompt.uid)
+        outcome = run_tests(code, self.visible(prompt.info["tests"]), self.limits, prompt.source or prompt.uid)
         all_passed = outcome.passed == outcome.total
         feedback = "all tests passed" if all_passed else feedback_text(outcome, self.feedback_chars)
         call = ToolCall(name="run_tests", args={"code": code}, turn=turn, result=feedback,
@@ -280,6 +285,13 @@ class PyExecEnv:
         done = all_passed or last_turn
         messages = [] if done else [{"role": "user", "content": feedback}]
         return StepResult(messages=messages, done=done, reward_parts=parts, tool_calls=[call])
+
+
+    def visible(self, tests: Any) -> Any:
+        """The tests the episode runs and reports: the first `feedback_tests` of a list (a script: all)."""
+        if self.feedback_tests > 0 and isinstance(tests, list) and len(tests) > self.feedback_tests:
+            return tests[:self.feedback_tests]
+        return tests
 
 
 @ENVS.register("pyexec")

@@ -32,7 +32,7 @@ class HardSampleSubstitution:
         self.reward_fn, self.reward_timeout_s = reward_fn, reward_timeout_s
         self.guided_samples, self.max_replaced_frac = guided_samples, max_replaced_frac
         self._ids = count(10**9)  # request ids apart from the Generate stage's
-        self.totals = {"groups_hard": 0, "groups_rescued": 0, "samples_substituted": 0}
+        self.counts = {"groups_hard": 0, "groups_rescued": 0, "samples_substituted": 0}
 
     def __call__(self, groups: list[Group], params: SamplingParams) -> tuple[list[Sample], list[Sample]]:
         """Substitute into the hard groups in place; returns (new samples, already scored; samples replaced)."""
@@ -41,7 +41,7 @@ class HardSampleSubstitution:
         hard = [(g, p) for g, p in hard if p is not None]
         if not hard:
             return [], []
-        self.totals["groups_hard"] += len(hard)
+        self.counts["groups_hard"] += len(hard)
         encoded = [(p, self.encoder.encode(p)) for _, p in hard]
         keep = [i for i, (_, ids) in enumerate(encoded) if ids is not None]
         guided = new_groups([encoded[i] for i in keep], self.guided_samples, 0)
@@ -56,8 +56,8 @@ class HardSampleSubstitution:
                 removed.append(group.samples[k])
                 group.samples[k] = self._as_answer_to(group.samples[k], win)
                 added.append(group.samples[k])
-            self.totals["groups_rescued"] += bool(wins and wrong)
-        self.totals["samples_substituted"] += len(added)
+            self.counts["groups_rescued"] += bool(wins and wrong)
+        self.counts["samples_substituted"] += len(added)
         return added, removed
 
     def _as_answer_to(self, original: Sample, win: Sample) -> Sample:
@@ -67,8 +67,9 @@ class HardSampleSubstitution:
         logp = [lp if m else 0.0 for lp, m in zip(logp, win.loss_mask)]
         version = self.engine.version
         spans = [(a, b, version) for a, b, role in win.turns if role == "assistant"]
-        episode = replace(win.episode, messages=[*original.prompt.messages,
-                                                 *win.episode.messages[len(win.prompt.messages):]])
+        head = original.episode.messages[:original.episode.prompt_messages]
+        episode = replace(win.episode, messages=[*head, *win.episode.messages[win.episode.prompt_messages:]],
+                          prompt_messages=len(head))
         sample = Sample(prompt=original.prompt, prompt_ids=list(original.prompt_ids),
                         response_ids=list(win.response_ids), behaviour_logprobs=logp, loss_mask=list(win.loss_mask),
                         status=win.status, group_id=original.group_id, version_spans=spans, full_logprobs=list(logp),
@@ -78,4 +79,7 @@ class HardSampleSubstitution:
         return sample
 
     def metrics(self) -> dict[str, float]:
-        return {f"substitution/{k}": float(v) for k, v in self.totals.items()}
+        """This step's counts (`substitution/*`), then reset for the next step."""
+        out = {f"substitution/{k}": float(v) for k, v in self.counts.items()}
+        self.counts = dict.fromkeys(self.counts, 0)
+        return out

@@ -86,6 +86,7 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 10**30
+MAX_EXPRESSION_CHARS = 200
 
 
 def calculate(expression: str) -> str:
@@ -95,11 +96,15 @@ def calculate(expression: str) -> str:
     text = expression.strip().replace("×", "*").replace("x", "*").replace("^", "**").replace(",", "")
     if not text:
         raise ValueError("empty expression")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression is over {MAX_EXPRESSION_CHARS} characters")
     try:
         tree = ast.parse(text, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):
         raise ValueError(f"cannot parse {expression.strip()!r} as arithmetic") from None
     value = _evaluate(tree.body)
+    if abs(value) > MAX_MAGNITUDE:
+        raise ValueError("result is too large")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
@@ -107,6 +112,8 @@ def calculate(expression: str) -> str:
 
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if abs(node.value) > MAX_MAGNITUDE:
+            raise ValueError("number is too large")
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
