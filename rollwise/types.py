@@ -98,8 +98,8 @@ class ToolCall:
     turn: int  # the assistant turn (0-based) that made the call
     result: str = ""
     error: str | None = None
-    wall_s: float = 0.0
-    sandbox_s: float = 0.0  # time inside the sandbox, for tools that run code there
+    wall_s: float = field(default=0.0, repr=False, compare=False)  # seconds (left out of repr and ==)
+    sandbox_s: float = field(default=0.0, repr=False, compare=False)  # time inside the sandbox, for code tools
 
 
 @dataclass

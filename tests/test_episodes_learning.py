@@ -35,8 +35,9 @@ def test_random_tiny_model_learns_to_call_a_toy_tool(tmp_path, tiny_model_dir):
     calls = [r["episode/tool_calls_mean"] for r in rows]
     first, last = statistics.fmean(calls[:4]), statistics.fmean(calls[-4:])
     assert last >= first + 0.5, f"no clear learning: tool calls per episode {first:.2f} -> {last:.2f}"
-    # the trainer saw exactly what the engine sampled, on the policy's tokens only
-    assert all(r["mismatch/logprob_abs_diff_mean"] < 1e-3 for r in rows)
+    # the trainer saw exactly what the engine sampled, on the policy's tokens only (steps that trained)
+    gaps = [r["mismatch/logprob_abs_diff_mean"] for r in rows if r["mismatch/logprob_abs_diff_mean"] is not None]
+    assert len(gaps) >= 10 and max(gaps) < 1e-3
     assert all(r["episode/policy_tokens_mean"] < r["episode/tokens_mean"] for r in rows[-4:])
     logged = [json.loads(line) for line in (run_dir / "samples" / "step-20.jsonl").read_text().splitlines()]
     assert logged and all(row["transcript"][-1]["role"] == "assistant" for row in logged)
@@ -55,4 +56,4 @@ def test_episodes_with_dynamic_sampling_and_partial_rollouts(tmp_path, tiny_mode
     assert len(rows) == 3 and all(r["episode/n"] > 0 for r in rows)
     assert sum(r["control/responses_aborted"] for r in rows) > 0  # some episodes were carried over
     assert any(r["control/tokens_carried"] > 0 for r in rows)
-    assert all(r["mismatch/logprob_abs_diff_mean"] < 1e-3 for r in rows)
+    assert all(r["mismatch/logprob_abs_diff_mean"] is None or r["mismatch/logprob_abs_diff_mean"] < 1e-3 for r in rows)

@@ -49,9 +49,10 @@ class EpisodeState:
     parts: dict[str, float] = field(default_factory=dict)  # the env's reward parts, summed over turns
     turn_parts: list[dict[str, float]] = field(default_factory=list)  # the same, per assistant turn
     parse_failures: int = 0
-    tool_s: float = 0.0
-    sandbox_s: float = 0.0
-    env_s: float = 0.0  # time in env.step (tools included)
+    # wall times (seconds) are left out of repr and ==: two identical episodes differ only in them
+    tool_s: float = field(default=0.0, repr=False, compare=False)
+    sandbox_s: float = field(default=0.0, repr=False, compare=False)
+    env_s: float = field(default=0.0, repr=False, compare=False)  # time in env.step (tools included)
     ended_by: str = ""  # "answer" | "turn_limit" | "token_limit" | "truncated"
     final_text: str = ""
     retokenize_mismatch: bool | None = None
