@@ -363,7 +363,9 @@ def test_episodes_on_vllm_equal_the_torch_engine_and_continue_after_abort(engine
     from rollwise.rollout import StopRule, new_groups
     from test_episodes import PROMPTS, EchoEnv
 
-    engine, model = engines["tied"]
+    engine, _ = engines["tied"]
+    model = _model(tok, seed=50)  # the engines were reloaded by earlier tests: load a policy whose greedy turns stop
+    engine.update_weights(model.state_dict(), engine.version + 1)
     codec = EpisodeCodec(tok)
     enc = [(p, encode_prompt(p, tok, None)) for p in PROMPTS]
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)

@@ -1,10 +1,10 @@
 """The `lookup` task, environment and reward: questions about FICTIONAL records behind a `<lookup>NAME</lookup>` tool.
 
-A fixed world of invented people (names built from syllables, with a made-up home town, a birth year, an
-occupation and a pet) is drawn from a seeded RNG, so the answer to "What is the occupation of Velmora Quist?"
+A fixed world of fictional people (a plain first and last name drawn at random, a made-up home town, a birth year, an
+occupation and a pet) is drawn from a seeded RNG, so the answer to "What is the occupation of Felix Vance?"
 cannot be known without calling the tool:
 
-    <lookup>Velmora Quist</lookup>   ->   Velmora Quist: born in Tarrow, year 1873, occupation glassblower, pet ferret
+    <lookup>Felix Vance</lookup>   ->   Felix Vance: born in Pustix, year 1756, occupation tanner, pet toad
 
 Each prompt carries its own small database in `prompt.info["records"]` (the asked-about record and a few
 others); the tool (`LookupEnv.tools_for(prompt)`) looks names up there only, and an unknown name is an error
@@ -42,6 +42,19 @@ ONSETS = ("b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p
           "v", "w", "z")
 VOWELS = ("a", "e", "i", "o", "u", "ae", "ia", "ou")
 CODAS = ("", "", "l", "n", "r", "s", "th", "x", "m", "nd", "rk", "st")
+# people get plain, easily copied first and last names (a 135M model garbles invented ones when it writes the
+# call); the combinations and every attribute are still drawn at random, so no answer can be known
+FIRST_NAMES = ("Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Iris", "Jack", "Karen", "Leo",
+               "Maria", "Nina", "Oscar", "Paul", "Rosa", "Sam", "Tara", "Victor", "Wendy", "Adam", "Bella", "Carl",
+               "Diana", "Eric", "Fiona", "George", "Hannah", "Ivan", "Julia", "Kevin", "Laura", "Mark", "Nora",
+               "Owen", "Peter", "Ruth", "Simon", "Tom", "Ursula", "Vera", "Walter", "Alice", "Bruno", "Chloe",
+               "Daniel", "Elena", "Frank", "Helen")
+LAST_NAMES = ("Holt", "Berg", "Carter", "Dunn", "Ellis", "Fox", "Grant", "Hayes", "Irwin", "Jones", "Keller", "Lane",
+              "Moss", "Nash", "Owens", "Price", "Reed", "Stone", "Turner", "Vance", "Walsh", "Young", "Adler",
+              "Baker", "Cole", "Drake", "Evans", "Fisher", "Gray", "Hart", "Knox", "Lloyd", "Mills", "Norris", "Olsen",
+              "Parker", "Quinn", "Ross", "Shaw", "Todd", "Ward", "West", "Wolfe", "Archer", "Brooks", "Chase",
+              "Dixon", "Ford", "Green", "Hill", "Lowe", "Marsh", "Porter", "Rhodes", "Sharp", "Tate", "Webb", "Wood",
+              "Yates", "Bishop")
 OCCUPATIONS = ("glassblower", "cartographer", "beekeeper", "clockmaker", "ferryman", "lamplighter", "weaver",
                "astronomer", "bookbinder", "cooper", "falconer", "tanner", "chandler", "locksmith", "mason",
                "potter", "saddler", "shipwright", "tailor", "vintner", "miller", "herbalist", "engraver", "fletcher")
@@ -76,7 +89,7 @@ def syllable_word(rng: random.Random, syllables: int) -> str:
 def new_record(rng: random.Random, taken: set[str]) -> dict[str, Any]:
     """One fictional person with a name not in `taken` (added to it)."""
     for _ in range(MAX_NAME_DRAWS):
-        name = f"{syllable_word(rng, rng.randint(2, 3))} {syllable_word(rng, rng.randint(1, 2))}"
+        name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
         if name.lower() not in taken:
             taken.add(name.lower())
             break
