@@ -221,17 +221,20 @@ def run_episodes(engine, groups: list[Group], params: SamplingParams, ids: count
     `params.max_new_tokens` bounds one assistant turn; `max_episode_tokens` everything after the prompt.
     With `stop`, once `stop.after_groups` groups are complete the rest are aborted (those in `stop.keep` run on).
     """
-    samples = [s for g in groups for s in g.samples if s.status not in FINAL]
+    samples = [s for g in groups for s in g.samples if s.status not in FINAL
+               and not (s.episode is not None and s.episode.ended_by)]  # an ended (e.g. failed) episode stays
     for s in samples:
         if s.episode is None:
             start_episode(s, env, codec.system_prompt)
+        s.status = Status.PENDING if s.status == Status.ABORTED else s.status  # continue it in this call
     turn_params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *env.stop))))
     group_of = {id(s): g for g in groups for s in g.samples}
     done = {id(g) for g in groups if is_complete(g)}
     stats = GenerateStats()
     stopped = False
     while True:
-        todo = [s for s in samples if s.status not in FINAL and (not stopped or s.group_id in stop.keep)]
+        # PENDING: a new episode, a continued one or one whose env answered; a turn aborted in this call stays
+        todo = [s for s in samples if s.status == Status.PENDING and (not stopped or s.group_id in stop.keep)]
         if not todo:
             break
         sample_of = {}
