@@ -64,6 +64,10 @@ def resolve_names(cfg: Config) -> None:
             raise ConfigError(f"{key} = {path!r}: no such file or directory (relative paths start at {Path.cwd()})")
     if cfg.reward.fn is not None:
         _lookup(REWARDS, cfg.reward.fn, "reward.fn")
+    if cfg.env.name is not None:
+        from rollwise.envs import ENVS
+
+        _lookup(ENVS, cfg.env.name, "env.name")
     _check_extras(cfg)
 
 

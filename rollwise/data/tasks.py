@@ -57,6 +57,14 @@ def text_uid(task: str, text: str) -> str:
     return f"{task}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
+def first_held_out(task: str, held_out: list[Prompt], n: int, hint: str = "data.eval_size") -> list[Prompt]:
+    """The first `n` prompts of a task's held-out split; ValueError naming eval.n when it has fewer."""
+    if n < 0 or n > len(held_out):
+        raise ValueError(f"task {task!r}: asked for {n} eval prompts but the held-out split has {len(held_out)} "
+                         f"({hint}); lower eval.n or raise data.eval_size")
+    return list(held_out[:n])
+
+
 def check_split(split: str, task: str, supported: tuple[str, ...]) -> None:
     """ValueError naming `data.split` when the task does not implement that split."""
     if split not in supported:
@@ -141,12 +149,7 @@ class ProceduralTask:
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """First `n` prompts of the fixed held-out split."""
-        if n < 0 or n > len(self._eval):
-            raise ValueError(
-                f"task {self.name!r}: asked for {n} eval prompts but the held-out split has {len(self._eval)} "
-                f"(data.eval_size); lower eval.n or raise data.eval_size"
-            )
-        return list(self._eval[:n])
+        return first_held_out(self.name, self._eval, n)
 
 
 # --------------------------------------------------------------------------------------------- arith

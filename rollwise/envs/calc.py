@@ -23,7 +23,7 @@ import random
 from typing import Any
 
 from rollwise.config import DataConfig
-from rollwise.data.tasks import EVAL_SEED, TASKS, text_uid
+from rollwise.data.tasks import EVAL_SEED, TASKS, first_held_out, text_uid
 from rollwise.types import Group, Prompt
 
 SYSTEM = ("You are a helpful assistant with a calculator. To compute, write <calc>EXPRESSION</calc>, for "
@@ -138,10 +138,7 @@ class CalcTask:
                 "prompts, split by fact (no held-out pair is trained in either order); eval has no worked example")
 
     def eval_prompts(self, n: int) -> list[Prompt]:
-        if n < 0 or n > len(self._eval):
-            raise ValueError(f"task 'calc': asked for {n} eval prompts but the held-out split has "
-                             f"{len(self._eval)} (data.eval_size); lower eval.n or raise data.eval_size")
-        return list(self._eval[:n])
+        return first_held_out(self.name, self._eval, n)
 
 
 @TASKS.register("calc")

@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from rollwise.config import DataConfig, EnvConfig
-from rollwise.data.tasks import EVAL_SEED, TASKS, text_uid
+from rollwise.data.tasks import EVAL_SEED, TASKS, first_held_out, text_uid
 from rollwise.envs import ENVS
 from rollwise.envs.base import EnvError, StepResult
 from rollwise.rewards.code import CODE_LIMITS, CodeOutcome, extract_code, parses, run_tests
@@ -210,10 +210,8 @@ class PyExecTask:
                 f"held-out prompts, split by problem ({len(self.held_ids)} problems never trained in any phrasing)")
 
     def eval_prompts(self, n: int) -> list[Prompt]:
-        if n < 0 or n > len(self._eval):
-            raise ValueError(f"task 'pyexec': asked for {n} eval prompts but the held-out split has {len(self._eval)} "
-                             f"(its {len(self.held_ids)} held-out problems, capped by data.eval_size); lower eval.n")
-        return list(self._eval[:n])
+        return first_held_out(self.name, self._eval, n,
+                              f"its {len(self.held_ids)} held-out problems, capped by data.eval_size")
 
 
 @TASKS.register("pyexec")
