@@ -36,6 +36,11 @@ PY="$VENV/bin/python"
 echo "gpu_check: tests done at $(( $(date +%s) - start )) s"
 "$PY" -m rollwise.cli train recipes/quickstart.toml --run-dir "$OUT/vllm-grpo" rollout.engine=vllm \
   sync.transport="$TRANSPORT" train.steps=5 eval.n=64 eval.every_steps=0 run.console=false run.save_every_steps=0
+# distillation on the GPU: OPSD with the base model as a vLLM prefill-only teacher (teacher.backend = "engine";
+# the policy's and the teacher's vLLM engines each take 40% of the GPU)
+"$PY" -m pytest -q tests/test_distill_engine_teacher.py
+"$PY" -m rollwise.cli train recipes/opsd.toml --run-dir "$OUT/vllm-opsd" rollout.engine=vllm \
+  teacher.backend=engine 'rollout.engine_options={gpu_memory_utilization = 0.4}' train.steps=3 eval.n=64 eval.every_steps=0 run.console=false run.save_every_steps=0
 "$PY" benchmarks/scale.py raw_vllm --out "$OUT"
 "$PY" - "$OUT" <<'EOF'
 import json, sys
@@ -47,7 +52,11 @@ keys = ["perf/step_s", "perf/rollout_s", "perf/time/score_s", "perf/train_s", "p
         "perf/rollout_tokens_per_s", "sync/logprob_max_abs_diff", "mismatch/logprob_abs_diff_mean"]
 split = {k: sum(float(r.get(k) or 0) for r in train) / len(train) for k in keys}
 raw = json.loads((Path("benchmarks/results/scale_raw_vllm.json")).read_text())
-summary = {"steps": len(train), "step_split_mean": split, "raw_vllm": raw}
+opsd = [json.loads(l) for l in (out / "vllm-opsd" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+opsd = [r for r in opsd if r["kind"] == "train"]
+summary = {"steps": len(train), "step_split_mean": split, "raw_vllm": raw,
+           "opsd_engine_teacher": [{k: r.get(k) for k in ("perf/step_s", "perf/time/teacher_s", "distill/teacher_kl")}
+                                   for r in opsd]}
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary, indent=2))
 EOF

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig, stage_errors
+
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
 
@@ -297,6 +299,9 @@ class Config(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    stage: list[StageConfig] = Field(default_factory=list, description="[[stage]] tables: kind and steps, in order")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -309,6 +314,9 @@ class Config(Section):
                              "rollout.samples_per_prompt must be at least 2 (or use advantage = 'gae' with a critic)")
         self._check_off_policy()
         self._check_scale_out()
+        errors = stage_errors(self)
+        if errors:
+            raise ValueError(errors[0])
         return self
 
     def _check_scale_out(self) -> None:
@@ -371,10 +379,15 @@ class ConfigError(ValueError):
 def valid_keys(section: str | None = None) -> list[str]:
     """`section.key` names accepted by `Config` (all sections, or one)."""
     keys = []
-    for sec_name, sec_field in Config.model_fields.items():
+    for sec_name in Config.model_fields:
         if section is None or section == sec_name:
-            keys += [f"{sec_name}.{k}" for k in sec_field.annotation.model_fields]  # type: ignore[union-attr]
+            keys += [f"{sec_name}.{k}" for k in _section_fields(sec_name)]
     return keys
+
+
+def _section_fields(sec: str) -> dict[str, Any]:
+    """The fields of section `sec` (of one `[[stage]]` table for `stage`)."""
+    return StageConfig.model_fields if sec == "stage" else Config.model_fields[sec].annotation.model_fields  # type: ignore[union-attr]
 
 
 def _parse_value(raw: str) -> Any:
@@ -394,14 +407,20 @@ def _check_keys(data: dict[str, Any], where: str) -> None:
     for sec, body in data.items():
         if sec not in Config.model_fields:
             raise ConfigError(f"{where}: unknown section {sec!r}; valid sections: {', '.join(Config.model_fields)}")
-        if not isinstance(body, dict):
+        if sec == "stage":
+            if not isinstance(body, list) or not all(isinstance(t, dict) for t in body):
+                raise ConfigError(f"{where}: 'stage' must be a list of [[stage]] tables (kind, steps)")
+            tables = body
+        elif not isinstance(body, dict):
             raise ConfigError(f"{where}: section {sec!r} must be a table of keys")
-        fields = Config.model_fields[sec].annotation.model_fields  # type: ignore[union-attr]
-        for key in body:
-            if key not in fields:
-                raise ConfigError(
-                    f"{where}: unknown key '{sec}.{key}'; valid keys in [{sec}]: {', '.join(fields)}"
-                )
+        else:
+            tables = [body]
+        fields = _section_fields(sec)
+        for number, table in enumerate(tables, 1):
+            for key in table:
+                if key not in fields:
+                    label = f"[[stage]] number {number}" if sec == "stage" else f"[{sec}]"
+                    raise ConfigError(f"{where}: unknown key '{sec}.{key}'; valid keys in {label}: {', '.join(fields)}")
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -413,6 +432,9 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if len(parts) != 2:
         raise ConfigError(f"override {override!r}: key must be 'section.key'; valid keys: {', '.join(valid_keys())}")
     sec, key = parts
+    if sec == "stage":
+        raise ConfigError(f"override {override!r}: [[stage]] tables are set in the recipe file, not on the "
+                          "command line")
     _check_keys({sec: {key: None}}, f"override {override!r}")
     value = _parse_value(raw.strip())
     if _is_text_field(sec, key) and not isinstance(value, str):
@@ -462,39 +484,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-def to_toml(cfg: Config) -> str:
-    """Render the resolved config as TOML (written to `config.toml` in the run directory)."""
-    out = []
-    for sec, body in cfg.model_dump(mode="json").items():
-        out.append(f"[{sec}]")
-        for key, value in body.items():
-            if value is None:
-                out.append(f"# {key} = (unset)")
-            else:
-                out.append(f"{key} = {_toml_value(value)}")
-        out.append("")
-    return "\n".join(out)
-
-
-def _toml_key(key: str) -> str:
-    """A TOML key: bare when it only has letters, digits, `_` and `-`, else quoted (`"pkg.mod:fn"`)."""
-    import json
-    import re
-
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
-
-
-def _toml_value(value: Any) -> str:
-    import json
-
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # inline table
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
+from rollwise.config_toml import to_toml  # noqa: E402  (re-exported: rollwise.config.to_toml)

@@ -46,7 +46,10 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from rollwise.generate.http_engine import ServerEngineError
     from rollwise.sync import SyncError
 
-    types += [MissingExtraError, ServerEngineError, SyncError]
+    from rollwise.distill.guards import CollapseError
+    from rollwise.distill.teacher import TeacherError
+
+    types += [MissingExtraError, ServerEngineError, SyncError, TeacherError, CollapseError]
     return tuple(types)
 
 

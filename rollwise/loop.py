@@ -22,6 +22,7 @@ from rollwise.envs.episode import episode_metrics, transcript
 from rollwise.evaluate import evaluate
 from rollwise.hardware import adapt_threads
 from rollwise.control import StepBatch, staleness_metrics
+from rollwise.distill import step as distill_step
 from rollwise.metrics import ConsoleView, print_summary, write_report
 from rollwise.perf import step_perf
 from rollwise.session import Run, open_run, save_run
@@ -95,17 +96,33 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     step_start = time.perf_counter()
     version = run.step  # the policy version the trainer holds; the engines have it too (synced last step)
     run.rollouts.stats.reset()
+    stage = run.stages.at(run.step)  # [[stage]]: rl, opd, opsd or sft (rollwise.distill.stages)
+    if run.stages.starts_now(run.step):
+        print(f"rollwise: step {run.step + 1}: {stage.describe()}", flush=True)
+    demos = stage.kind == "sft" and stage.cfg is not None and stage.cfg.data is not None
+    # groups whose rewards are all equal still carry the teacher's signal, and an SFT stage keeps every correct one
+    run.controller.keep_uniform_groups(stage.uses_teacher or stage.kind == "sft")
     # Generate -> Score -> Filter -> Control: rounds of generation until the batch is full (control.py)
-    batch = run.controller.collect(run.step, version, timer)
+    batch = StepBatch(groups=[]) if demos else run.controller.collect(run.step, version, timer)
     observe = getattr(run.source, "observe", None)  # a task's curriculum learns from the step's groups
     curriculum = observe(batch.generated) if observe is not None else {}
     if run.controller.substitution is not None:
         curriculum.update(run.controller.substitution.metrics())
     with timer("filter"):
         samples, shaping_metrics = assign_advantages(batch.groups, cfg, run.trainer)
+    if stage.kind == "sft":  # demonstrations: from the stage's file, or the correct responses just sampled
+        samples, sft_metrics = (distill_step.demo_batch(run, stage), {}) if demos else \
+            distill_step.rejection_sampled(batch.groups)
+        shaping_metrics.update(sft_metrics)
+    with timer("teacher"):  # the teacher scores every response token; Self-Routing; SFT marks
+        samples, distill_metrics = distill_step.prepare(run, stage, samples)
+    if hasattr(run.rollouts, "pop_metrics"):  # the TRB warm-up's budget and mixture weight
+        distill_metrics.update(run.rollouts.pop_metrics())
+    run.trainer.terms = distill_step.step_terms(run, stage, samples)
     with timer("replay"):  # Replay: mix stored samples in, then store this batch's
-        replayed = run.replay.draw(version, groups_dropped=batch.groups_short)
-        run.replay.add(batch.groups, version)
+        replayed = [] if stage.kind == "sft" else run.replay.draw(version, groups_dropped=batch.groups_short)
+        if stage.kind != "sft":
+            run.replay.add(batch.groups, version)
     batch.replayed = replayed
     trained = batch.trained = samples + replayed
     train_metrics: dict[str, float] = {}
@@ -114,13 +131,17 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
             train_metrics = run.trainer.step(trained, version=version)
         else:
             run.trainer.skip_step()  # nothing to learn from: the schedule still advances
+        if run.teacher is not None and trained:
+            run.teacher.after_update(run.model)  # an EMA teacher follows the policy
     with timer("sync"):  # Sync weights, then check the engine samples from them (sync/logprob_max_abs_diff)
         sync_metrics = run.sync.push(version + 1)
     run.step += 1
     row = {"step": run.step, "kind": "train", **dict.fromkeys(TRAIN_KEYS), **batch.metrics, **shaping_metrics,
-           **train_metrics, **sync_metrics, **run.replay.metrics(), **staleness_metrics(trained, version), **curriculum}
+           **train_metrics, **sync_metrics, **run.replay.metrics(), **staleness_metrics(trained, version), **curriculum,
+           **distill_metrics, **run.stages.metrics(version)}
     row["replay/replayed_frac"] = len(replayed) / max(1, len(trained))
     row.update(rollout_metrics(batch.scored, run.rollouts.stats.generated_tokens, batch.generate_s))
+    row.update(run.guards.observe(run.step, batch.scored, row, alarm=stage.uses_teacher))
     row.update(episode_metrics([s for g in batch.generated for s in g.samples]))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
     row.update(step_perf(run, batch, samples, trained, timer.seconds, train_metrics))
@@ -195,6 +216,8 @@ def log_samples(run: Run, samples: list[Sample]) -> None:
                    "response": s.response_text, "reward": s.reward, "status": s.status.value,
                    "error": s.reward_error, "advantage": s.advantage,
                    "policy_versions": sorted({v for _, _, v in s.version_spans}), "replayed": s.replayed}
+            if s.teacher_logprobs:  # distillation: the mean gap logp_sampling - logp_teacher, and the route
+                row.update(distill_step.sample_record(s))
             if getattr(s, "episode", None) is not None:  # the whole transcript, tool calls and how the episode ended
                 row.update(episode_record(s))
             f.write(json.dumps(row) + "\n")
@@ -287,6 +310,10 @@ def _train(run: Run, cfg: Config, run_dir: Path, stop: StopOnInterrupt) -> dict:
             # every response completed this step (failed ones too: their errors are logged), then the replayed
             log_samples(run, [s for g in batch.generated for s in g.samples] + batch.replayed)
             check_step_health(run, batch)
+            if cfg.distill.guard_stop and row.get("distill/collapse_alarm") == 1.0:
+                stop.phase = f"checkpoint at step {run.step}"
+                save_run(run)
+                run.guards.check_stop(run.step, row)
             if stop.requested:
                 save_run(run)
                 raise KeyboardInterrupt

@@ -68,7 +68,27 @@ def resolve_names(cfg: Config) -> None:
         from rollwise.envs import ENVS
 
         _lookup(ENVS, cfg.env.name, "env.name")
+    _check_teacher(cfg)
     _check_extras(cfg)
+
+
+def _check_teacher(cfg: Config) -> None:
+    """teacher.context is a valid template, teacher.weights a keyword or an existing directory, and every
+    [[stage]] data file exists."""
+    from rollwise.distill.teacher import TeacherError, context_template
+
+    try:
+        context_template(cfg.teacher.context)
+    except TeacherError as exc:
+        raise ConfigError(str(exc)) from None
+    weights = cfg.teacher.weights
+    if weights not in (None, "base", "live", "ema") and not Path(weights).expanduser().is_dir():
+        raise ConfigError(f"teacher.weights = {weights!r}: no such directory (relative paths start at {Path.cwd()}); "
+                          "give 'base', 'live', 'ema', an HF model directory or a rollwise run directory (train one "
+                          f"first, e.g. rollwise train recipes/quickstart.toml --run-dir {weights})")
+    for number, stage in enumerate(cfg.stage, 1):
+        if stage.data is not None and not Path(stage.data).expanduser().exists():
+            raise ConfigError(f"[[stage]] number {number}: data = {stage.data!r}: no such file or directory")
 
 
 def _check_extras(cfg: Config) -> None:

@@ -352,7 +352,7 @@ MFU_KEYS = ("perf/rollout_mfu", "perf/train_mfu", "perf/mfu")
 def mfu_figures(flops: dict[str, float], seconds: dict[str, float], generate_s: float,
                 peaks: tuple[float | None, float | None], concurrent: bool = False) -> dict[str, float | None]:
     """MFU of one step from model FLOPs per stage (`rollout`, `train`, `filter`: the `kl_in_reward` reference
-    pass) and the peaks (GFLOP/s) of the precision each runs in.
+    pass, `teacher`: the distillation teacher's scoring pass) and the peaks (GFLOP/s) of the precision each runs in.
 
     - `perf/rollout_mfu` = rollout FLOPs / the engine's own generation seconds (`generate_s`: in async mode
       measured in the generation process) / the rollout peak (engine dtype, the engine's threads).
@@ -368,6 +368,7 @@ def mfu_figures(flops: dict[str, float], seconds: dict[str, float], generate_s: 
     """
     rollout_peak, train_peak = peaks
     rollout, train, filter_ = flops.get("rollout", 0.0), flops.get("train", 0.0), flops.get("filter", 0.0)
+    teacher = flops.get("teacher", 0.0)  # the teacher's scoring pass (distillation), in the trainer's precision
     out: dict[str, float | None] = dict.fromkeys(MFU_KEYS)
     if rollout_peak:
         out["perf/rollout_mfu"] = rollout / max(generate_s, 1e-9) / (rollout_peak * 1e9)
@@ -379,9 +380,10 @@ def mfu_figures(flops: dict[str, float], seconds: dict[str, float], generate_s: 
             capacity = step_s * (train_peak + rollout_peak)
         else:
             idle_peak = max(rollout_peak, train_peak)
-            stage_peak = {"rollout": rollout_peak, "train": train_peak, "filter": train_peak if filter_ else idle_peak}
+            stage_peak = {"rollout": rollout_peak, "train": train_peak, "filter": train_peak if filter_ else idle_peak,
+                          "teacher": train_peak if teacher else idle_peak}
             capacity = sum(s * stage_peak.get(stage, idle_peak) for stage, s in seconds.items())
-        out["perf/mfu"] = (rollout + train + filter_) / max(capacity * 1e9, 1e-9)
+        out["perf/mfu"] = (rollout + train + filter_ + teacher) / max(capacity * 1e9, 1e-9)
     return out
 
 
@@ -444,6 +446,11 @@ def step_perf(run, batch, samples, trained, seconds: dict[str, float],
              "train": train_flops(run.flops, trained, train_metrics)}
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward:
         flops["filter"] = reference_flops(run.flops, samples, cfg.train.micro_batch_tokens, cfg.train.share_prompt)
+    scored = getattr(run.teacher, "last_scored", None)  # the teacher's pass over its prompts and the responses
+    if scored:
+        flops["teacher"] = reference_flops(run.teacher.flops, scored, cfg.train.micro_batch_tokens,
+                                           cfg.train.share_prompt)
+        run.teacher.last_scored = []
     out = checked_mfu(flops, seconds, batch.generate_s, run_peak_spec(run), step=run.step)
     out["perf/step_tflop"] = sum(flops.values()) / 1e12
     out["perf/rollout_padding_eff"] = stats.padding_eff

@@ -65,12 +65,16 @@ class Run:
     replay: ReplayBuffer | None = None
     sync: WeightSync | None = None  # the Sync stage: transport + probe check
     episodes: Episodes | None = None  # multi-turn episodes (env.name or the task's environment); None = one turn
+    stages: Any = None  # rollwise.distill.stages.StagePlan: the kind of every step
+    teacher: Any = None  # rollwise.distill.teacher.Teacher (teacher.weights set); None = no teacher
+    guards: Any = None  # rollwise.distill.step.Guards: repetition and the truncation-collapse alarm
+    demo_sources: dict = field(default_factory=dict)  # SFT stages with a data file: stage index -> DemoSource
 
     def close(self) -> None:
         """Release what the run opened: rollouts (engines, servers, actors), reward workers, trainer ranks,
         the cluster and the sinks. Safe to call twice."""
         # the trainer first: its Ray rank actors need the cluster, which the engine owns and closes
-        for owner in (self.trainer, self.reward_fn, self.rollouts, self.engine):
+        for owner in (self.trainer, self.reward_fn, self.rollouts, self.engine, self.teacher):
             close = getattr(owner, "close", None)
             if close is not None:
                 close()
@@ -215,6 +219,7 @@ def attach_lora(cfg: Config, base, ckpt: Path | None):
 def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -> None:
     """The parts of a run built after its sinks: eval prompts, counters, replay, rollouts, controller, state."""
     cfg = run.cfg
+    build_distillation(run)
     run.eval_prompts = encode_eval_prompts(run.source, run.encoder, cfg.eval.n, to_stdout=True)
     run.flops = FlopCounter(model_info(run.model))
     run.replay = ReplayBuffer(cfg.replay, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt,
@@ -230,6 +235,11 @@ def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -
         plain = run.engine.model if cfg.lora.rank > 0 else run.model  # the process copies a plain model
         run.rollouts = ProcessRollouts(start_generation_process(cfg, plain, run.tokenizer, generation_threads,
                                                                 run.step))
+    if cfg.distill.trb_steps > 0 or cfg.distill.teacher_rollouts_per_group > 0:  # the teacher samples too
+        from rollwise.distill.blend import BlendedRollouts
+
+        run.rollouts = BlendedRollouts(run.rollouts, run.model, run.teacher, run.tokenizer, cfg.distill.trb_steps,
+                                       cfg.distill.trb_budget, cfg.distill.teacher_rollouts_per_group, cfg.train.seed)
     run.sync = WeightSync(run.rollouts, run.trainer, run.tokenizer, cfg.sync.transport, cfg.sync.check_tokens,
                           cfg.sync.max_logprob_diff, sync_dir=run.run_dir / "sync", lora=cfg.lora.rank > 0)
     if cfg.lora.rank > 0 and state is not None:  # the engine started from the base: give it the trained adapters
@@ -241,6 +251,23 @@ def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -
         run.reward_guard.load_state_dict(state["reward_guard"])
     if state is not None and state.get("controller") is not None:
         run.controller.load_state_dict(state["controller"])
+
+
+def build_distillation(run: Run) -> None:
+    """Stages, the teacher (loaded and checked now, before any step) and the guards (rollwise.distill)."""
+    from rollwise.distill.stages import StagePlan
+    from rollwise.distill.step import Guards
+    from rollwise.distill.teacher import build_teacher
+
+    cfg = run.cfg
+    run.stages = StagePlan(cfg.stage, cfg.train.steps, cfg.teacher)
+    run.guards = Guards(cfg)
+    if run.stages.uses_teacher:
+        pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
+        run.teacher = build_teacher(cfg, run.model, run.tokenizer, run.encoder, run.trainer, pad_id, run.run_dir)
+        print(f"rollwise: teacher {cfg.teacher.weights} (context {cfg.teacher.context!r}, temperature "
+              f"{cfg.teacher.temperature:g}, {cfg.distill.objective}); stages: "
+              + ", ".join(s.describe() for s in run.stages.stages), flush=True)
 
 
 def build_substitution(run: Run):
@@ -330,6 +357,8 @@ def trainer_state(run: Run) -> dict[str, Any]:
         "totals": dict(run.totals),
         "prompts_dropped": run.encoder.dropped,
         "source": run.source.state_dict() if hasattr(run.source, "state_dict") else None,  # a task's curriculum
+        "guards": run.guards.state_dict() if run.guards is not None else None,
+        "teacher": run.teacher.state_dict() if hasattr(run.teacher, "state_dict") else None,  # an EMA teacher
         "elapsed_s": time.time() - run.started_at,
     }
 
@@ -362,6 +391,10 @@ def restore_state(run: Run, state: dict[str, Any]) -> None:
     run.encoder.dropped = state.get("prompts_dropped", 0)
     if state.get("source") is not None and hasattr(run.source, "load_state_dict"):
         run.source.load_state_dict(state["source"])
+    if state.get("guards") is not None:
+        run.guards.load_state_dict(state["guards"])
+    if state.get("teacher") is not None and hasattr(run.teacher, "load_state_dict"):
+        run.teacher.load_state_dict(state["teacher"])
     run.started_at = time.time() - state.get("elapsed_s", 0.0)
 
 

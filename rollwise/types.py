@@ -145,6 +145,13 @@ class Sample:
     advantage: float = 0.0
     train_reward: float | None = None  # reward after shaping and KL penalty (Filter stage); None = `reward`
     replayed: bool = False  # drawn from the replay buffer into a later batch
+    # distillation (rollwise.distill): the teacher's log-prob of each response token, `[T]` (empty: not scored),
+    # its top-k `([T][k] log-probs, [T][k] ids)` for GKD, and the weights of the sample's reward advantage,
+    # teacher term and SFT term in the loss (Self-Routing and SFT stages set them)
+    teacher_logprobs: list[float] = field(default_factory=list)
+    teacher_topk: Any = None
+    route: str = ""  # Self-Routing: grpo, self_distill, regularise or skip ("" = not routed)
+    loss_weights: tuple[float, float, float] = (1.0, 1.0, 0.0)  # (reward advantage, teacher term, sft NLL)
     info: dict[str, Any] = field(default_factory=dict)  # free-form extras of plugins; no stage reads it
 
     @property

@@ -1,4 +1,4 @@
-"""Distillation objectives (rollwise.algo.distill) against hand-computed values and torch's own KL."""
+"""Distillation objectives (rollwise.algo.distillation) against hand-computed values and torch's own KL."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from rollwise.algo.distill import distill, gkd, kl
+from rollwise.algo.distillation import distill, gkd, kl
 
 MASK = torch.tensor([[1.0, 1.0, 0.0]])
 

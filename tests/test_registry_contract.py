@@ -121,6 +121,24 @@ def test_shaping_contract(fn):
     assert out.shape == (N,) and out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("fn", _entries(algo.DISTILL))
+def test_distill_contract(fn):
+    V = 7
+    if getattr(fn, "takes", "logp") == "logits":
+        student = torch.randn(N, T, V, generator=_gen()).requires_grad_(True)
+        teacher = torch.randn(N, T, V, generator=_gen())
+    else:
+        student = (-torch.rand(N, T, generator=_gen()) * 3).requires_grad_(True)
+        teacher = -torch.rand(N, T, generator=_gen()) * 3
+    out, metrics = fn(student, teacher, MASK)
+    assert out.shape == (N, T) and out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert torch.all(out[MASK == 0] == 0)
+    _check_metrics(metrics)
+    if out.requires_grad:  # a loss term: the gradient reaches the student only
+        out.sum().backward()
+        assert student.grad is not None and not teacher.requires_grad
+
+
 CHECKED = {
     "ADVANTAGES": test_advantage_contract,
     "TOKEN_ADVANTAGES": test_token_advantage_contract,
@@ -129,4 +147,5 @@ CHECKED = {
     "KL_ESTIMATORS": test_kl_contract,
     "IS_CORRECTIONS": test_is_correction_contract,
     "SHAPING": test_shaping_contract,
+    "DISTILL": test_distill_contract,
 }

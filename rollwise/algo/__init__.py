@@ -33,12 +33,14 @@ from rollwise.algo import shaping as _shaping  # noqa: F401
 from rollwise.algo import tool_shaping as _tool_shaping  # noqa: F401
 from rollwise.algo import value as _value  # noqa: F401
 from rollwise.algo.advantages import group_stats
+from rollwise.algo.distillation import distill
 from rollwise.algo.aggregation import batch_normalisers
 from rollwise.algo.kl import kl_reward_penalty
 from rollwise.algo.losses import entropy_bonus
 from rollwise.algo.registries import (
     ADVANTAGES,
     AGGREGATIONS,
+    DISTILL,
     IS_CORRECTIONS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
@@ -131,10 +133,12 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "SHAPING",
+    "DISTILL",
     "TOKEN_ADVANTAGES",
     "advantage",
     "aggregate",
     "batch_normalisers",
+    "distill",
     "entropy_bonus",
     "group_solve_rate",
     "group_stats",

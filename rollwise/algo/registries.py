@@ -11,6 +11,7 @@ Every registry holds callables of one signature (checked by `tests/test_registry
 | `KL_ESTIMATORS` | `fn(logp [N,T], ref_logp [N,T]) -> [N,T]` |
 | `IS_CORRECTIONS` | `fn(old_logp [N,T], behaviour_logp [N,T], mask [N,T], **options) -> (weights [N,T], metrics)` |
 | `SHAPING` | `fn(rewards [N], lengths [N], group_ids [N], correct [N] bool, **options) -> shaped rewards [N]` |
+| `DISTILL` | `fn(student, teacher, mask [N,T], **options) -> (per_token [N,T], metrics)`; log-probs `[N,T]` or logits `[N,T,V]` as `fn.takes` says |
 
 `metrics` is always a `dict[str, Tensor]` of detached scalar tensors.
 """
@@ -24,3 +25,4 @@ AGGREGATIONS: Registry = Registry("loss aggregation")
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 IS_CORRECTIONS: Registry = Registry("importance-sampling correction")
 SHAPING: Registry = Registry("reward shaping")
+DISTILL: Registry = Registry("distillation objective")

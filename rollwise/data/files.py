@@ -151,6 +151,23 @@ def load_prompts(path: str | Path, cfg: DataConfig) -> list[Prompt]:
 HELD_OUT_FRACTION_DENOM = 4  # without data.eval_path, at most a quarter of the rows are held out
 
 
+class EpochOrder:
+    """Positions 0, 1, 2, ... over `size` items, each epoch in its own seeded permutation (seeded by `key` and the
+    epoch): the item at a position depends only on (key, position), so a resumed run continues the order."""
+
+    def __init__(self, size: int, key: str) -> None:
+        self.size, self.key = size, key
+        self._epoch, self._perm = -1, []
+
+    def index(self, position: int) -> int:
+        epoch, offset = divmod(position, self.size)
+        if epoch != self._epoch:
+            self._perm = list(range(self.size))
+            random.Random(f"{self.key}-{epoch}").shuffle(self._perm)
+            self._epoch = epoch
+        return self._perm[offset]
+
+
 def held_out_size(num_rows: int, eval_size: int) -> int:
     """Rows held out when there is no eval file: min(eval_size, rows // 4); 0 under 4 rows."""
     return min(eval_size, num_rows // HELD_OUT_FRACTION_DENOM)
@@ -188,8 +205,7 @@ class FileDataset:
                 f"{cfg.path}: no training rows left after removing the {self.dropped_overlap} equal to held-out "
                 f"prompts of {cfg.eval_path or cfg.path}; give a data.eval_path with other prompts"
             )
-        self._perm_epoch = -1
-        self._perm: list[int] = []
+        self._order = EpochOrder(len(self._train), f"{self.name}-train-{self.seed}")
 
     def _split(self, rows: list[Prompt], cfg: DataConfig) -> tuple[list[Prompt], list[Prompt]]:
         """(held-out rows, training rows): `held_out_size` rows picked with the fixed eval seed."""
@@ -209,19 +225,11 @@ class FileDataset:
             return f"{head} (data.eval_size={self._eval_size} capped at a quarter of the rows)"
         return f"{head} (data.eval_size)"
 
-    def _permutation(self, epoch: int) -> list[int]:
-        if epoch != self._perm_epoch:
-            self._perm = list(range(len(self._train)))
-            random.Random(f"{self.name}-train-{self.seed}-{epoch}").shuffle(self._perm)
-            self._perm_epoch = epoch
-        return self._perm
-
     def train_prompt(self, position: int) -> Prompt:
         """Row at `position` of the concatenated per-epoch permutations."""
         if position < 0:
             raise ValueError(f"dataset {self.name!r}: position must be >= 0, got {position}")
-        epoch, index = divmod(position, len(self._train))
-        return self._train[self._permutation(epoch)[index]]
+        return self._train[self._order.index(position)]
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         """First `n` prompts of the held-out split."""

@@ -251,6 +251,26 @@ def episodes_html(rows: list[dict[str, Any]]) -> str:
     return f"<h2>Episodes</h2><div class='plots'>{figures}</div>"
 
 
+DISTILL_PREFIX = "distill/"
+DISTILL_PLOTS = (
+    PlotSpec("Teacher KL", "sampled KL(student || teacher) per trained token", ("distill/teacher_kl",)),
+    PlotSpec("Collapse guards", "repeated 4-grams and truncated responses (StableOPD's truncation collapse)",
+             ("rollout/repetition_rate", "rollout/truncated_frac"), y_range=(0.0, 1.0)),
+    PlotSpec("Gap by position", "logp_student - logp_teacher by quarter of the response",
+             ("distill/gap_pos_q1", "distill/gap_pos_q2", "distill/gap_pos_q3", "distill/gap_pos_q4")),
+    PlotSpec("Entropy at the gap", "student entropy: all tokens, and the 10% with the largest gap",
+             ("distill/entropy_mean", "distill/entropy_at_top_gap")),
+)
+
+
+def distill_html(rows: list[dict[str, Any]]) -> str:
+    """The "Distillation" panel (`DISTILL_PLOTS`); empty when no row has a `distill/*` key."""
+    if not any(key.startswith(DISTILL_PREFIX) for row in rows for key in row):
+        return ""
+    figures = "".join(f"<figure>{plot_svg(rows, spec)}</figure>" for spec in DISTILL_PLOTS)
+    return f"<h2>Distillation</h2><div class='plots'>{figures}</div>"
+
+
 def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
     """The report page for `rows` of the run in `run_dir`."""
     figures = [plot_svg(rows, spec) for spec in PLOTS] + [time_svg(rows)]
@@ -269,6 +289,7 @@ def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
         f"<div><h2>Time per stage</h2>{time_table_html(rows)}</div></div>",
         "<h2>Plots</h2><div class='plots'>" + "".join(f"<figure>{f}</figure>" for f in figures) + "</div>",
         episodes_html(rows),
+        distill_html(rows),
         f"<h2>Config</h2><pre>{config}</pre>" if config is not None else "",
         "</body></html>\n",
     ]

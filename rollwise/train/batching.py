@@ -44,6 +44,11 @@ class MicroBatch:
     advantages: torch.Tensor
     real_tokens: int
     layout: list | None = None  # prompt-shared rows: one `RowLayout` per row (block attention)
+    # distillation: teacher log-probs [S, T] (NaN where a sample was not scored), teacher top-k
+    # (log-probs [S, T, k], ids [S, T, k]) and per-sample loss weights [S, 3] (reward, teacher, sft)
+    teacher_logp: torch.Tensor | None = None
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    loss_weights: torch.Tensor | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -129,9 +134,33 @@ def collate(samples: list[Sample], pad_id: int, share_prompt: bool = False, vers
     targets, loss_mask, blp, full, valid = _sample_tensors(ordered, T, pad_id)
     adv = torch.tensor([s.advantage for s in ordered], dtype=torch.float32)
     shared_layout = layout if share_prompt and all(row is not None for row in layout) else None
-    return MicroBatch(ordered, input_ids, attention, positions, targets, loss_mask, behaviour_logp=blp, full_logp=full,
-                      valid=valid, current=current_version_mask(ordered, T, version), pred_index=pred_index,
-                      advantages=adv, real_tokens=real, layout=shared_layout)
+    mb = MicroBatch(ordered, input_ids, attention, positions, targets, loss_mask, behaviour_logp=blp, full_logp=full,
+                    valid=valid, current=current_version_mask(ordered, T, version), pred_index=pred_index,
+                    advantages=adv, real_tokens=real, layout=shared_layout)
+    add_distill_tensors(mb, ordered, T)
+    return mb
+
+
+def add_distill_tensors(mb: MicroBatch, samples: list[Sample], T: int) -> None:
+    """Teacher log-probs, top-k and loss weights of `samples` onto `mb` (left None when nothing carries them)."""
+    S = len(samples)
+    mb.loss_weights = torch.tensor([list(s.loss_weights) for s in samples], dtype=torch.float32)  # [S, 3]
+    if any(s.teacher_logprobs for s in samples):
+        mb.teacher_logp = torch.full((S, T), float("nan"))
+        for b, s in enumerate(samples):
+            if s.teacher_logprobs:
+                if len(s.teacher_logprobs) != len(s.response_ids):
+                    raise ValueError(f"sample of group {s.group_id}: {len(s.teacher_logprobs)} teacher log-probs for "
+                                     f"{len(s.response_ids)} response tokens")
+                mb.teacher_logp[b, :len(s.response_ids)] = torch.tensor(s.teacher_logprobs)
+    if any(s.teacher_topk is not None for s in samples):
+        k = len(next(s.teacher_topk for s in samples if s.teacher_topk is not None)[0][0])
+        lp, ids = torch.zeros((S, T, k)), torch.zeros((S, T, k), dtype=torch.long)
+        for b, s in enumerate(samples):
+            if s.teacher_topk is not None and s.response_ids:
+                n = len(s.response_ids)
+                lp[b, :n], ids[b, :n] = torch.tensor(s.teacher_topk[0]), torch.tensor(s.teacher_topk[1])
+        mb.teacher_topk = (lp, ids)
 
 
 def current_version_mask(samples: list[Sample], T: int, version: int | None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from rollwise import algo
 from rollwise.config import AlgoConfig, TrainConfig
+from rollwise.distill.terms import StepTerms
 from rollwise.hardware import bf16_is_native
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
 from rollwise.train.critic import ValueHead
@@ -73,6 +74,7 @@ class Trainer:
         if self.value_head is not None:  # a fresh layer: its own, larger learning rate
             params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})
         self.updates = 0  # optimizer steps so far: seeds the stochastic loss entries
+        self.terms = StepTerms()  # this step's distillation terms (rollwise.distill.terms), set by the loop
         self.nonfinite_streak = 0  # RL steps in a row with an optimizer step skipped for NaN/Inf
         self._nonfinite_loss = False  # set by `_backward` when a micro-batch loss is NaN/Inf
         self.optimizer = torch.optim.AdamW(  # fused: one kernel per step instead of one per op and tensor
@@ -240,12 +242,24 @@ class Trainer:
         (old_values, returns) [S, T] each. A `stand_in` (data parallel padding) adds zero gradients and no
         metrics."""
         mask = mb.loss_mask  # [B, T]
-        hidden: list | None = [] if critic is not None else None
+        terms = self.terms
+        hidden: list | None = [] if critic is not None or terms.needs_logits else None
         with self._autocast():
             logp, entropy = self._logprobs(self.model, mb, hidden_out=hidden)  # [B, T] each
         old = logp.detach() if old_logp is None else old_logp
-        loss, metrics = self.objective.loss(logp, old, mb.behaviour_logp, mb.advantages, mask, norms, seed,
-                                            entropy=entropy, ref_logp=ref_logp)
+        advantages, metrics = terms.advantages(old, mb, entropy)  # [B] or [B, T] with the teacher's token term
+        if terms.sft_only:  # an SFT stage: the NLL of the demonstrations alone
+            loss = logp.new_zeros(())
+        else:
+            loss, loss_metrics = self.objective.loss(logp, old, mb.behaviour_logp, advantages, mask, norms, seed,
+                                                     entropy=entropy, ref_logp=ref_logp)
+            metrics.update(loss_metrics)
+        extra, extra_metrics = terms.extra_loss(logp, hidden[0] if hidden else None,
+                                                self.model.get_output_embeddings().weight, mb,
+                                                lambda per_token, m: self.objective.aggregate(per_token, m, norms))
+        loss = loss + extra
+        metrics.update(extra_metrics)
+        measure = measure and not terms.sft_only  # demonstrations have no engine log-probs to compare
         if critic is not None:
             old_values, returns = critic
             per_token, value_metrics = algo.value_loss(self.value_head(hidden[0], mb), old_values, returns, mask,

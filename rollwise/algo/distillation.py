@@ -1,4 +1,4 @@
-"""Distillation objectives (issue 13, first part): pure functions on log-probs or logits, masked.
+"""Distillation objectives: pure functions on log-probs or logits, masked.
 
 `distill(name, student, teacher, mask, **options) -> (per_token [N, T], metrics)`:
 
@@ -9,7 +9,7 @@
 | `sft` | sampled-token log-probs `[N, T]` (teacher unused) | per-token negative log-likelihood (a loss term) |
 
 Every output is 0 where `mask` is 0; the teacher never receives a gradient (it is detached); `metrics` are
-detached scalar tensors. Not yet wired into the loop: the teachers, stages and guards of issue 13 come next.
+detached scalar tensors. The loop's use of them (teachers, stages, routing, guards) is in `rollwise.distill`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 
 from rollwise.algo.common import masked_mean
-from rollwise.registry import Registry
+from rollwise.algo.registries import DISTILL
 
 Metrics = dict[str, torch.Tensor]
-DISTILL: Registry = Registry("distillation objective")
 
 
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -72,6 +71,9 @@ def gkd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.
         per_token = beta * kl(log_t, log_m) + (1.0 - beta) * kl(log_s, log_m)
     per_token = _masked(per_token, mask)
     return per_token, {"gkd": masked_mean(per_token.detach(), mask)}
+
+
+gkd.takes = "logits"  # the contract test feeds [N, T, V] logits; the others take [N, T] log-probs
 
 
 def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:

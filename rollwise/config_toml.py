@@ -1,0 +1,42 @@
+"""Render a resolved `Config` as TOML (the run directory's `config.toml`); `[[stage]]` tables come last."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+
+def to_toml(cfg) -> str:
+    """Render the resolved config as TOML (written to `config.toml` in the run directory)."""
+    out = []
+    dumped = cfg.model_dump(mode="json")
+    stages = dumped.pop("stage", [])
+    for sec, body in dumped.items():
+        out += [f"[{sec}]", *_table(body), ""]
+    for stage in stages:
+        out += ["[[stage]]", *_table(stage), ""]
+    return "\n".join(out)
+
+
+def _table(body: dict[str, Any]) -> list[str]:
+    return [f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}" for key, value in body.items()]
+
+
+def _toml_key(key: str) -> str:
+    """A TOML key: bare when it only has letters, digits, `_` and `-`, else quoted (`"pkg.mod:fn"`)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key, ensure_ascii=False)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # inline table
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
