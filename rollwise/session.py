@@ -265,6 +265,10 @@ def build_distillation(run: Run) -> None:
     if run.stages.uses_teacher:
         pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
         run.teacher = build_teacher(cfg, run.model, run.tokenizer, run.encoder, run.trainer, pad_id, run.run_dir)
+        if cfg.teacher.temperature != cfg.rollout.temperature:
+            print(f"rollwise: warning: teacher.temperature {cfg.teacher.temperature:g} differs from rollout.temperature "
+                  f"{cfg.rollout.temperature:g}: the teacher gap compares distributions at different temperatures",
+                  flush=True)
         print(f"rollwise: teacher {cfg.teacher.weights} (context {cfg.teacher.context!r}, temperature "
               f"{cfg.teacher.temperature:g}, {cfg.distill.objective}); stages: "
               + ", ".join(s.describe() for s in run.stages.stages), flush=True)

@@ -138,8 +138,9 @@ def test_trb_warm_up_blends_then_anneals_to_the_student(tmp_path, tiny_model_dir
 def test_rollout_mixture_draws_some_samples_from_the_teacher(tmp_path, tiny_model_dir):
     cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
         "teacher.weights": "base", "teacher.context": "hint", "distill.teacher_rollouts_per_group": 1,
-        "algo.is_correction": "tis_token"}))
-    _train(cfg, tmp_path / "run")
+        "algo.is_correction": "tis_token", "teacher.temperature": 0.7}))
+    out = _train(cfg, tmp_path / "run")["stdout"]
+    assert "warning: teacher.temperature 0.7 differs from rollout.temperature 1" in out
     rows = [r for r in read_rows(tmp_path / "run") if r["kind"] == "train"]
     assert [r["rollout/teacher_samples_frac"] for r in rows] == [0.25, 0.25]  # 1 of 4 samples per group
     assert all(r["mismatch/truncation_logprob_gap_mean"] != 0 for r in rows)  # teacher samples: behaviour != student

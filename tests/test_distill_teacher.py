@@ -202,3 +202,14 @@ def test_the_tail_bucket_holds_the_rest_of_the_mass():
     top = torch.log(torch.tensor([[0.5, 0.2]]))
     assert with_tail(top).exp().tolist()[0] == pytest.approx([0.5, 0.2, 0.3])
     assert math.isfinite(float(with_tail(torch.log(torch.tensor([[0.6, 0.4]]))).sum()))
+
+
+def test_a_teacher_that_gives_nan_stops_with_the_row_named(tok):
+    model = tiny_llama(len(tok), seed=3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[7].fill_(float("nan"))  # a broken teacher checkpoint
+    encoder = PromptEncoder(tok, None, 256)
+    samples = _samples(tok, encoder, n_prompts=1, per_prompt=2)
+    with pytest.raises(TeacherError, match=r"rows.jsonl:0: the teacher gave NaN/Inf log-probs to \d+ response"):
+        Teacher(model, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256).score(samples)
+    assert all(not s.teacher_logprobs for s in samples)  # nothing half-scored is left behind

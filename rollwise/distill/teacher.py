@@ -14,6 +14,7 @@ step), or a path (an HF directory, a rollwise checkpoint, or a run directory: it
 from __future__ import annotations
 
 import copy
+import math
 import string
 from dataclasses import replace
 from pathlib import Path
@@ -158,6 +159,7 @@ class Teacher:
                 mb = collate(group, self.pad_id, share_prompt=self.share_prompt)
                 with self.autocast() if self.autocast else torch.autocast("cpu", enabled=False):
                     logp, topk = score_micro_batch(self.model, mb, self.cfg.temperature, self.top_k)
+                check_finite(logp, mb)
                 for b, shadow in enumerate(mb.samples):
                     n = len(shadow.response_ids)
                     target = owner[id(shadow)]
@@ -173,6 +175,18 @@ class Teacher:
 
     def after_update(self, policy) -> None:
         """Called after every optimizer update of the policy (EMA teachers move; the others do not)."""
+
+
+def check_finite(logp: torch.Tensor, mb: MicroBatch) -> None:
+    """TeacherError when the teacher gave a NaN/Inf log-prob to a response token (`logp [S, T]`): such a score
+    would become an infinite advantage, or pass for an unscored token."""
+    bad = ~torch.isfinite(logp) & mb.valid
+    if bool(bad.any()):
+        row = int(bad.any(dim=1).nonzero()[0])
+        sample = mb.samples[row]
+        raise TeacherError(f"{sample.prompt.source or sample.prompt.uid}: the teacher gave NaN/Inf log-probs to "
+                           f"{int(bad.sum())} response tokens of this batch; check the teacher's weights "
+                           "(teacher.weights) and teacher.temperature")
 
 
 class EmaTeacher(Teacher):
@@ -232,6 +246,10 @@ class EngineTeacher(Teacher):
             ids = self.prompt_ids(s)
             logps = self.engine.probe_logprobs(ids + s.response_ids)  # [P + T - 1]: token i given those before
             s.teacher_logprobs = [float(v) for v in logps[len(ids) - 1:]]
+            if len(s.teacher_logprobs) != len(s.response_ids) or not all(map(math.isfinite, s.teacher_logprobs)):
+                raise TeacherError(f"{s.prompt.source or s.prompt.uid}: the engine teacher returned "
+                                   f"{len(s.teacher_logprobs)} log-probs (NaN/Inf among them or not) for "
+                                   f"{len(s.response_ids)} response tokens; check the teacher engine")
         return {"teacher/tokens": float(sum(len(s.response_ids) for s in samples))}
 
     def close(self) -> None:
