@@ -94,6 +94,11 @@ def stage_errors(cfg) -> list[str]:
         errors.append("stages, teachers and SFT terms run with train.backend = 'local' and control.mode = 'sync'")
     if cfg.distill.trb_steps > 0 or cfg.distill.teacher_rollouts_per_group > 0:
         errors += trb_errors(cfg, kinds)
+    if cfg.distill.routing != "none" and not any(k in TEACHER_KINDS for k in kinds):
+        errors.append("distill.routing routes the samples of teacher stages: set teacher.weights (and a stage of kind "
+                      "'opd' or 'opsd'), or distill.routing = 'none'")
+    if teacher.backend == "engine":
+        errors += engine_teacher_errors(cfg)
     if any(s.kind == "sft" for s in stages) and cfg.replay.kind != "none":
         errors.append("an SFT stage trains demonstrations, which have no advantage to replay: set replay.kind = 'none'")
     if stages and sum(s.steps for s in stages) != train_steps:
@@ -128,6 +133,22 @@ def trb_errors(cfg, kinds: list[str]) -> list[str]:
     if cfg.control.partial_rollouts or cfg.rollout.source != "local" or cfg.env.name is not None:
         return ["distill.trb_steps > 0 generates single-turn responses in this process: turn off partial rollouts, "
                 "rollout.source = 'service' and env.name"]
+    return []
+
+
+def engine_teacher_errors(cfg) -> list[str]:
+    """`teacher.backend = 'engine'`: fixed weights, scored at temperature 1 by an engine this process starts."""
+    t = cfg.teacher
+    if t.weights in ("live", "ema"):
+        return [f"teacher.backend = 'engine' scores with fixed weights; teacher.weights = {t.weights!r} changes every "
+                "step: use teacher.backend = 'trainer'"]
+    if t.temperature != 1.0 or cfg.distill.objective == "gkd":
+        return ["teacher.backend = 'engine' returns the sampled tokens' log-probs at temperature 1: set "
+                "teacher.temperature = 1 and distill.objective = 'opd' (or use teacher.backend = 'trainer')"]
+    if cfg.rollout.engine not in ("torch", "vllm") or cfg.rollout.server not in (None, "launch") or cfg.cluster.ray:
+        return ["teacher.backend = 'engine' starts a torch or vLLM engine of its own in this process: use "
+                "rollout.engine = 'torch' or 'vllm' (in-process or server = 'launch') without cluster.ray, or "
+                "teacher.backend = 'trainer'"]
     return []
 
 

@@ -216,7 +216,7 @@ def log_samples(run: Run, samples: list[Sample]) -> None:
                    "response": s.response_text, "reward": s.reward, "status": s.status.value,
                    "error": s.reward_error, "advantage": s.advantage,
                    "policy_versions": sorted({v for _, _, v in s.version_spans}), "replayed": s.replayed}
-            if s.teacher_logprobs:  # distillation: the mean gap logp_sampling - logp_teacher, and the route
+            if getattr(s, "teacher_logprobs", None):  # distillation: the mean gap logp_sampling - logp_teacher, and the route
                 row.update(distill_step.sample_record(s))
             if getattr(s, "episode", None) is not None:  # the whole transcript, tool calls and how the episode ended
                 row.update(episode_record(s))

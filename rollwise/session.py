@@ -256,11 +256,12 @@ def _assemble(run: Run, state: dict[str, Any] | None, generation_threads: int) -
 def build_distillation(run: Run) -> None:
     """Stages, the teacher (loaded and checked now, before any step) and the guards (rollwise.distill)."""
     from rollwise.distill.stages import StagePlan
-    from rollwise.distill.step import Guards
+    from rollwise.distill.step import Guards, load_demo_sources
     from rollwise.distill.teacher import build_teacher
 
     cfg = run.cfg
     run.stages = StagePlan(cfg.stage, cfg.train.steps, cfg.teacher)
+    run.demo_sources = load_demo_sources(cfg, run.stages.stages)
     run.guards = Guards(cfg)
     if run.stages.uses_teacher:
         pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id

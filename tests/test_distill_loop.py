@@ -166,6 +166,9 @@ def test_stage_plan_boundaries():
     ("", {"teacher.weights": "live"}, "is the student itself"),
     ("", {"teacher.weights": "base", "distill.trb_steps": 2, "rollout.top_p": 0.9}, "top_p = 1"),
     ("", {"teacher.weights": "base", "distill.teacher_rollouts_per_group": 1}, "set algo.is_correction"),
+    ("", {"teacher.weights": "live", "teacher.context": "hint", "teacher.backend": "engine"}, "scores with fixed weights"),
+    ("", {"teacher.weights": "base", "teacher.backend": "engine", "teacher.temperature": 0.5}, "temperature = 1"),
+    ("", {"distill.routing": "self_routing"}, "routes the samples of teacher stages"),
 ])
 def test_inconsistent_distillation_configs_fail_with_one_line(tmp_path, tiny_model_dir, body, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -236,3 +239,15 @@ def test_a_teacher_with_another_tokenizer_stops_the_run_before_any_step(tmp_path
     assert len(error) == 1 and "its tokenizer differs from the student's" in error[0]
     assert str(tmp_path / "teacher") in error[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_bad_demonstration_row_stops_the_run_before_its_first_step(tmp_path, tiny_model_dir):
+    from rollwise.data.files import DatasetError
+
+    bad = tmp_path / "demos.jsonl"
+    bad.write_text('{"prompt": "What is 1 + 1?", "response": "2"}\n{"prompt": "What is 2 + 2?"}\n')
+    body = f'\n[[stage]]\nkind = "rl"\nsteps = 1\n\n[[stage]]\nkind = "sft"\nsteps = 1\ndata = "{bad}"\n'
+    cfg = load_config(_recipe(tmp_path, tiny_model_dir, body, **{"train.steps": 2}))
+    with pytest.raises(DatasetError, match=r"demos.jsonl.*line 2.*'response'"):
+        _train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_rows(tmp_path / "run")

@@ -213,3 +213,12 @@ def test_a_teacher_that_gives_nan_stops_with_the_row_named(tok):
     with pytest.raises(TeacherError, match=r"rows.jsonl:0: the teacher gave NaN/Inf log-probs to \d+ response"):
         Teacher(model, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256).score(samples)
     assert all(not s.teacher_logprobs for s in samples)  # nothing half-scored is left behind
+
+
+def test_samples_pickled_before_the_distillation_fields_still_batch(tok):
+    encoder = PromptEncoder(tok, None, 256)
+    old = _samples(tok, encoder, n_prompts=1, per_prompt=2)
+    for s in old:
+        del s.__dict__["teacher_logprobs"]  # as unpickled from a checkpoint written before this field
+    mb = collate(old, tok.pad_token_id)
+    assert mb.teacher_logp is None and mb.loss_weights.tolist() == [[1.0, 1.0, 0.0]] * 2

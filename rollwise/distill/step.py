@@ -116,13 +116,9 @@ def rejection_sampled(groups) -> tuple[list[Sample], dict[str, float]]:
 def demo_batch(run, stage: Stage) -> list[Sample]:
     """An SFT stage's demonstrations for this step from its data file: `prompts_per_step x samples_per_prompt`
     rows in the file's seeded order, from the step's position in the stage (a resumed run continues exactly)."""
-    from rollwise.distill.demos import DemoSource, demo_sample, load_demonstrations
+    from rollwise.distill.demos import demo_sample
 
-    source = run.demo_sources.get(stage.index)
-    if source is None:
-        demos = load_demonstrations(stage.cfg.data, stage.cfg.prompt_field, stage.cfg.response_field,
-                                    cfg=run.cfg.data)
-        source = run.demo_sources[stage.index] = DemoSource(demos, run.cfg.train.seed)
+    source = run.demo_sources[stage.index]
     n = run.cfg.rollout.prompts_per_step * run.cfg.rollout.samples_per_prompt
     position = (run.step - stage.start) * n
     samples = []
@@ -134,6 +130,16 @@ def demo_batch(run, stage: Stage) -> list[Sample]:
         raise ValueError(f"{stage.cfg.data}: no demonstration of step {run.step + 1} fits data.max_prompt_tokens="
                          f"{run.cfg.data.max_prompt_tokens}; raise it")
     return samples
+
+
+def load_demo_sources(cfg, stages: list[Stage]) -> dict:
+    """`stage index -> DemoSource` of every SFT stage with a data file, read now: a bad row stops the run before
+    its first step, not when the stage begins."""
+    from rollwise.distill.demos import DemoSource, load_demonstrations
+
+    return {stage.index: DemoSource(load_demonstrations(stage.cfg.data, stage.cfg.prompt_field,
+                                                        stage.cfg.response_field, cfg=cfg.data), cfg.train.seed)
+            for stage in stages if stage.kind == "sft" and stage.cfg is not None and stage.cfg.data is not None}
 
 
 class Guards:

@@ -296,12 +296,6 @@ def _engine_teacher(cfg, model, tokenizer, encoder: PromptEncoder, run_dir: Path
     """An engine of rollout.engine's kind holding the teacher's weights, under `run_dir/teacher`."""
     from rollwise.generate.factory import build_engine
 
-    tcfg = cfg.teacher
-    if tcfg.weights in ("live", "ema"):
-        raise TeacherError(f"teacher.backend = 'engine' scores with fixed weights; teacher.weights = {tcfg.weights!r} "
-                           "changes every step: use teacher.backend = 'trainer'")
-    if tcfg.temperature != 1.0 or cfg.distill.objective == "gkd":
-        raise TeacherError("teacher.backend = 'engine' returns the sampled tokens' log-probs at temperature 1: set "
-                           "teacher.temperature = 1 and distill.objective = 'opd' (or use teacher.backend = 'trainer')")
+    tcfg = cfg.teacher  # its settings were checked with the config (config_distill.engine_teacher_errors)
     folder = Path(run_dir or ".") / "teacher"
     return EngineTeacher(build_engine(cfg, model, tokenizer, folder), tcfg, encoder)

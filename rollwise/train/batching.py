@@ -145,14 +145,16 @@ def add_distill_tensors(mb: MicroBatch, samples: list[Sample], T: int) -> None:
     """Teacher log-probs, top-k and loss weights of `samples` onto `mb` (left None when nothing carries them)."""
     S = len(samples)
     mb.loss_weights = torch.tensor([list(s.loss_weights) for s in samples], dtype=torch.float32)  # [S, 3]
-    if any(s.teacher_logprobs for s in samples):
+    # samples pickled before the field existed (a checkpoint's carried or replayed groups) have none
+    scores = [getattr(s, "teacher_logprobs", None) or [] for s in samples]
+    if any(scores):
         mb.teacher_logp = torch.full((S, T), float("nan"))
-        for b, s in enumerate(samples):
-            if s.teacher_logprobs:
-                if len(s.teacher_logprobs) != len(s.response_ids):
-                    raise ValueError(f"sample of group {s.group_id}: {len(s.teacher_logprobs)} teacher log-probs for "
+        for b, (s, lp) in enumerate(zip(samples, scores)):
+            if lp:
+                if len(lp) != len(s.response_ids):
+                    raise ValueError(f"sample of group {s.group_id}: {len(lp)} teacher log-probs for "
                                      f"{len(s.response_ids)} response tokens")
-                mb.teacher_logp[b, :len(s.response_ids)] = torch.tensor(s.teacher_logprobs)
+                mb.teacher_logp[b, :len(s.response_ids)] = torch.tensor(lp)
     if any(s.teacher_topk is not None for s in samples):
         k = len(next(s.teacher_topk for s in samples if s.teacher_topk is not None)[0][0])
         lp, ids = torch.zeros((S, T, k)), torch.zeros((S, T, k), dtype=torch.long)
