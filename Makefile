@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 .PHONY: setup scale demo test bench clean
 
 setup: $(VENV)/.installed
-	@if command -v bwrap >/dev/null 2>&1; then :; elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }; } && echo "installed bubblewrap (the code sandbox)" || echo "could not install bubblewrap: the code sandbox falls back to rlimits (docs/sandbox.md)"; else echo "bubblewrap missing (installing it needs root and apt-get): the code sandbox falls back to rlimits (docs/sandbox.md)"; fi
+	@if command -v bwrap >/dev/null 2>&1; then :; elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }; } && echo "installed bubblewrap (the code sandbox)" || echo "could not install bubblewrap: runs that execute code need sandbox.allow_unconfined = true (docs/sandbox.md)"; else echo "bubblewrap missing (installing it needs root and apt-get): runs that execute code need sandbox.allow_unconfined = true (docs/sandbox.md)"; fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -72,6 +72,11 @@ def train(
     except ConfigError as exc:
         _fail(str(exc))
     if dry_run:
+        from rollwise.hardware import slow_bf16_warning
+
+        warning = slow_bf16_warning(cfg.model.dtype, cfg.train.precision)
+        if warning:
+            typer.echo(warning, err=True)
         typer.echo(to_toml(cfg))
         return
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun: ranks > 0 are FSDP2 trainer workers of rank 0's loop
@@ -142,8 +147,9 @@ def serve(
     args: Optional[list[str]] = typer.Argument(None, help="[CONFIG.toml] [section.key=value ...]"),
     host: Optional[str] = typer.Option(None, "--host", help="bind address (default serve.host, 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, "--port", help="port (default serve.port; 0 = a free one)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer token (default serve.api_key, "
-                                          "else a generated one, printed)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer token (default serve.api_key, else "
+                                          "$ROLLWISE_SERVE_API_KEY, else a generated one, printed); prefer the "
+                                          "variable: other local users see command lines"),
     model: Optional[str] = typer.Option(None, "--model", help="model to serve (default model.name)"),
     debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:

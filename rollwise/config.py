@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SecretStr, ValidationError, field_validator,
+                      model_validator)
 
 from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig, stage_errors
 
@@ -17,6 +18,28 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"
 
 
 Options = dict[str, float | int | bool | str]
+
+# A secret (an API key): `SecretStr` in Python (repr and str show `**********`), `***` in every JSON dump (the
+# trackers' hyperparameters), and never written by `to_toml` (config.toml, --dry-run); the field's
+# `json_schema_extra["env"]` names the environment variable it is also taken from.
+SECRET_MASK = "***"
+Secret = Annotated[SecretStr, PlainSerializer(lambda _: SECRET_MASK, return_type=str, when_used="json")]
+
+
+def secret_value(secret: SecretStr | str | None) -> str | None:
+    """The text of a secret field (None when unset)."""
+    return secret.get_secret_value() if isinstance(secret, SecretStr) else secret
+
+
+def secret_keys() -> dict[str, str]:
+    """`section.key` -> environment variable of every secret field of `Config`."""
+    out = {}
+    for sec_name, sec in Config.model_fields.items():
+        for key, info in getattr(sec.annotation, "model_fields", {}).items():
+            env = (info.json_schema_extra or {}).get("env") if isinstance(info.json_schema_extra, dict) else None
+            if env:
+                out[f"{sec_name}.{key}"] = env
+    return out
 
 
 class Section(BaseModel):
@@ -79,7 +102,9 @@ class RolloutConfig(Section):
     source: Literal["local", "service"] = Field("local", description="'service' = generate through a running "
                                                 "`rollwise serve` at rollout.service_url (another machine)")
     service_url: str | None = Field(None, description="rollout.source = 'service': the server's URL")
-    service_api_key: str | None = Field(None, description="its Bearer token; None = $ROLLWISE_API_KEY")
+    service_api_key: Secret | None = Field(None, description="its Bearer token, a secret never written to "
+                                           "config.toml; None = $ROLLWISE_API_KEY", json_schema_extra={
+                                               "env": "ROLLWISE_API_KEY"})
 
     @field_validator("stop")
     @classmethod
@@ -102,14 +127,23 @@ class RewardConfig(Section):
 
 
 class ServeConfig(Section):
-    """`rollwise serve`: the policy behind an HTTP API (docs/agentic.md). Command-line flags override these."""
+    """`rollwise serve`: the policy behind an HTTP API (docs/serve.md). Command-line flags override these."""
 
     host: str = Field("127.0.0.1", description="bind address; anything but loopback exposes the policy")
     port: int = Field(8765, ge=0, le=65535, description="0 = a free port (printed at start)")
-    api_key: str | None = Field(None, description="Bearer token clients must send; None = a generated one, "
-                                "printed at start")
+    api_key: Secret | None = Field(None, description="Bearer token clients must send, a secret never written "
+                                   "to config.toml; None = $ROLLWISE_SERVE_API_KEY, else a generated one, printed "
+                                   "at start", json_schema_extra={"env": "ROLLWISE_SERVE_API_KEY"})
     max_queued_requests: int = Field(256, gt=0, description="requests waiting for the engine at most; more get 503")
     episode_ttl_s: float = Field(3600.0, gt=0.0, description="finished episode jobs are kept this long for GET")
+    max_body_mb: float = Field(32.0, gt=0.0, description="JSON request bodies at most (MiB); larger get 413")
+    max_prompts_per_request: int = Field(512, gt=0, description="prompts in one completion or episode request at "
+                                         "most; more get 413")
+    max_weights_mb: float = Field(16384.0, gt=0.0, description="a safetensors body of POST /v1/weights at most "
+                                  "(MiB); larger gets 413")
+    max_weight_uploads: int = Field(1, ge=1, description="weight uploads in progress at once; one more gets 429")
+    weights_root: str | None = Field(None, description="POST /v1/weights loads {\"path\"} only from files under "
+                                     "this folder; None = path loading off (weights come as a body)")
 
 
 class EnvConfig(Section):
@@ -123,6 +157,13 @@ class EnvConfig(Section):
     parser: Literal["tag", "hermes"] = Field("tag", description="tool-call syntax: tag '<calc>EXPR</calc>' or "
                                              "hermes '<tool_call>{json}</tool_call>'")
     options: Options = Field(default_factory=dict, description="keyword options of the environment")
+
+
+class SandboxConfig(Section):
+    """Running the policy's code (`code_tests`, `pyexec`; docs/sandbox.md)."""
+
+    allow_unconfined: bool = Field(False, description="run code under rlimits only when bubblewrap is missing or "
+                                   "cannot start (network and files stay visible); false = such a run stops")
 
 
 class AlgoConfig(Section):
@@ -289,6 +330,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -400,7 +442,7 @@ def _parse_value(raw: str) -> Any:
 
 def _is_text_field(sec: str, key: str) -> bool:
     annotation = Config.model_fields[sec].annotation.model_fields[key].annotation  # type: ignore[union-attr]
-    return annotation is str or annotation == (str | None)
+    return annotation is str or annotation == (str | None) or f"{sec}.{key}" in secret_keys()
 
 
 def _check_keys(data: dict[str, Any], where: str) -> None:
@@ -451,7 +493,8 @@ def _format_validation(exc: ValidationError, where: str) -> str:
         if not key:  # a rule across keys: its message names them
             lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
             continue
-        lines.append(f"  {key}: {err['msg']}{expected}; got {err.get('input')!r}")
+        got = SECRET_MASK if key in secret_keys() else repr(err.get("input"))  # a secret is never echoed
+        lines.append(f"  {key}: {err['msg']}{expected}; got {got}")
     return "\n".join(lines)
 
 

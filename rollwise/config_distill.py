@@ -47,7 +47,8 @@ class DistillConfig(_Section):
                         "advantage; gkd: weight of the loss term")
     reward_weight: float = Field(1.0, ge=0.0, description="weight of the outcome advantage in teacher stages "
                                  "(0 = pure distillation)")
-    gkd_beta: float = Field(0.5, ge=0.0, le=1.0, description="gkd: 0 = forward KL(T||S), 1 = reverse KL(S||T)")
+    gkd_beta: float = Field(0.5, ge=0.0, le=1.0, description="gkd: 0 = forward KL(T||S), 1 = reverse KL(S||T), "
+                            "between: GKD's JSD / (beta (1 - beta)), continuous in beta (4x GKD's JSD at 0.5)")
     sft_coef: float = Field(0.0, ge=0.0, description="rl/opd stages: weight of the NLL of correct sampled responses "
                             "mixed into the loss (0 = off)")
     sft_schedule: Literal["constant", "linear", "gac"] = Field(
@@ -101,9 +102,13 @@ def stage_errors(cfg) -> list[str]:
         errors += engine_teacher_errors(cfg)
     if any(s.kind == "sft" for s in stages) and cfg.replay.kind != "none":
         errors.append("an SFT stage trains demonstrations, which have no advantage to replay: set replay.kind = 'none'")
+    errors += data_stage_errors(cfg)
     if stages and sum(s.steps for s in stages) != train_steps:
         errors.append(f"the [[stage]] tables add up to {sum(s.steps for s in stages)} steps but train.steps = "
                       f"{train_steps}; make them equal")
+    if cfg.distill.objective == "gkd" and not any(k in TEACHER_KINDS for k in kinds):
+        errors.append("distill.objective = 'gkd' is a loss against a teacher: set teacher.weights (and a stage of kind "
+                      "'opd' or 'opsd'), or remove distill.objective")
     if any(k in TEACHER_KINDS for k in kinds) and teacher.weights is None:
         errors.append("a stage of kind 'opd' or 'opsd' needs a teacher: set teacher.weights ('base', 'live', 'ema' "
                       "or a model path)")
@@ -116,12 +121,29 @@ def stage_errors(cfg) -> list[str]:
     return errors
 
 
+def data_stage_errors(cfg) -> list[str]:
+    """`[[stage]] data`: demonstrations, read by SFT stages only; they carry no reward for a critic to learn from."""
+    for number, stage in enumerate(cfg.stage, 1):
+        if stage.data is not None and stage.kind != "sft":
+            return [f"[[stage]] number {number} (kind {stage.kind!r}) has data = {stage.data!r}, which only an 'sft' "
+                    "stage reads: remove it, or set kind = 'sft'"]
+        if stage.data is not None and cfg.algo.advantage == "gae":
+            return [f"[[stage]] number {number} trains demonstrations from {stage.data!r}, which have no reward for "
+                    "algo.advantage = 'gae' (a critic) to learn from: use an outcome advantage (e.g. 'grpo'), or "
+                    "drop data to rejection-sample"]
+    return []
+
+
 def trb_errors(cfg, kinds: list[str]) -> list[str]:
     """The TRB warm-up and the rollout mixture sample in the trainer process from the policy and the teacher."""
     r = cfg.rollout
     if cfg.teacher.weights is None or not any(k in TEACHER_KINDS for k in kinds):
         return ["distill.trb_steps / teacher_rollouts_per_group blend the teacher into sampling: set teacher.weights "
                 "(and a teacher stage)"]
+    if cfg.teacher.backend == "engine":
+        return ["distill.trb_steps / teacher_rollouts_per_group sample token by token from the teacher's model in the "
+                "trainer process; teacher.backend = 'engine' only scores: use teacher.backend = 'trainer', or set "
+                "both to 0"]
     if r.top_p < 1.0 or r.top_k > 0 or r.stop or r.temperature == 0:
         return ["distill.trb_steps > 0 samples the full mixture: set rollout.top_p = 1, top_k = 0, no rollout.stop "
                 "and a temperature > 0"]

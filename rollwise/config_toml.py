@@ -1,4 +1,8 @@
-"""Render a resolved `Config` as TOML (the run directory's `config.toml`); `[[stage]]` tables come last."""
+"""Render a resolved `Config` as TOML (the run directory's `config.toml`); `[[stage]]` tables come last.
+
+A secret (`rollwise.config.Secret`: the API keys) is never written: a set one becomes a comment with `***` and
+the environment variable to give it by, so a run read back from config.toml (`--resume`) takes it from there.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,31 @@ from typing import Any
 
 def to_toml(cfg) -> str:
     """Render the resolved config as TOML (written to `config.toml` in the run directory)."""
+    from rollwise.config import SECRET_MASK, secret_keys
+
     out = []
-    dumped = cfg.model_dump(mode="json")
+    dumped = cfg.model_dump(mode="json")  # secrets are SECRET_MASK here already
     stages = dumped.pop("stage", [])
+    secrets = secret_keys()
     for sec, body in dumped.items():
+        for key in body:
+            env = secrets.get(f"{sec}.{key}")
+            if env is not None and body[key] is not None:
+                body[key] = _Comment(f"{SECRET_MASK} (a secret, never written: give it as ${env} or "
+                                     f"{sec}.{key}=...)")
         out += [f"[{sec}]", *_table(body), ""]
     for stage in stages:
         out += ["[[stage]]", *_table(stage), ""]
     return "\n".join(out)
 
 
+class _Comment(str):
+    """A value written as a comment (`# key = text`)."""
+
+
 def _table(body: dict[str, Any]) -> list[str]:
-    return [f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}" for key, value in body.items()]
+    return [f"# {key} = (unset)" if value is None else f"# {key} = {value}" if isinstance(value, _Comment)
+            else f"{key} = {_toml_value(value)}" for key, value in body.items()]
 
 
 def _toml_key(key: str) -> str:

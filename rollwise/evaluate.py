@@ -28,6 +28,7 @@ def evaluate(
     its environment, and `max_new_tokens` bounds one turn. Returns `eval/*` metrics:
     `eval/sampled_accuracy`, `eval/greedy_accuracy`, `eval/response_len_mean`,
     `eval/greedy_response_len_mean`, `eval/n`, `eval/reward_errors` (+ `eval/<mode>_episode/*` for episodes).
+    An accuracy is None when every reward of that mode failed (the errors are counted, never scored 0).
     `keep_samples`, when given, receives `(mode, samples)` for each mode (`rollwise eval --out`).
     """
     out: dict[str, float] = {"eval/n": float(len(prompts))}
@@ -40,7 +41,8 @@ def evaluate(
         scored = [s for s in samples if s.status != Status.FAILED]  # failed rewards are errors, not wrong answers
         n = max(1, len(samples))
         prefix = "eval/" if label == "sampled" else "eval/greedy_"
-        out[f"eval/{label}_accuracy"] = sum(bool(s.correct) for s in scored) / max(1, len(scored))
+        # None (null) when no reward could be scored: every answer an error is not an accuracy of 0
+        out[f"eval/{label}_accuracy"] = sum(bool(s.correct) for s in scored) / len(scored) if scored else None
         out[f"{prefix}response_len_mean"] = sum(len(s.response_ids) for s in samples) / n
         out[f"{prefix}truncated_frac"] = sum(s.status.value == "truncated" for s in samples) / n
         out[f"{prefix}reward_errors"] = metrics.get("reward/errors", 0.0)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from rollwise import sandbox
 from rollwise.config import load_config
 from rollwise.envs import build_env
 from rollwise.envs.episode import EpisodeCodec, final_text, transcript
@@ -59,6 +60,7 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         cfg.data.split = "prompt"
     configure_allocator()
     configure_threads(cfg.model.threads)
+    sandbox.allow_unconfined(cfg.sandbox.allow_unconfined)
     start = time.perf_counter()
     task_source = build_prompt_source(cfg.data, cfg.train.seed)
     if data and cfg.data.system_prompt is None:  # file rows run behind the task's own system prompt

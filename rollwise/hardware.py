@@ -53,6 +53,40 @@ def bf16_is_native(device_type: str = "cpu") -> bool:
     return device_type == "cpu" and cpu_has_native_bf16()
 
 
+def matmul_gflops(dtype, size: int = 128, repeats: int = 3) -> float:
+    """GFLOP/s of one `size`^3 matmul in `dtype` on the current threads (best of `repeats`; a quick figure for
+    messages; MFU uses `rollwise.perf`'s measured peak)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)  # never the global RNG
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    a @ b
+    fastest_s = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        fastest_s = min(fastest_s, time.perf_counter() - start)
+    return 2 * size**3 / max(fastest_s, 1e-9) / 1e9
+
+
+def slow_bf16_warning(model_dtype: str, precision: str, device_type: str = "cpu") -> str | None:
+    """One line when bf16 was asked for explicitly (`model.dtype = "bfloat16"`, `train.precision = "bf16"`) on a
+    CPU without native bf16 (no AVX512-BF16 or AMX): there a bf16 matmul runs about 100x slower than fp32 and a
+    tiny run takes many minutes with no word why. The factor is measured here, now. None when it does not apply
+    (`auto` already picks fp32 on such a CPU)."""
+    asked = [key for key, on in (("model.dtype = 'bfloat16'", model_dtype == "bfloat16"),
+                                 ("train.precision = 'bf16'", precision == "bf16")) if on]
+    if not asked or device_type != "cpu" or cpu_has_native_bf16():
+        return None
+    import torch
+
+    fp32, bf16 = matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16)
+    return (f"rollwise: warning: {' and '.join(asked)} on a CPU without native bf16 (no AVX512-BF16 or AMX): "
+            f"a bf16 matmul runs at {bf16:.1f} GFLOP/s here against {fp32:.1f} in fp32 ({fp32 / bf16:.0f}x slower); "
+            "use float32 / fp32 (or 'auto', which picks fp32 on this CPU)")
+
+
 
 
 def configure_allocator() -> bool:

@@ -70,6 +70,7 @@ def resolve_names(cfg: Config) -> None:
         _lookup(ENVS, cfg.env.name, "env.name")
     _check_teacher(cfg)
     _check_extras(cfg)
+    _check_sandbox(cfg)
 
 
 def _check_teacher(cfg: Config) -> None:
@@ -105,6 +106,28 @@ def _check_extras(cfg: Config) -> None:
         if wanted and importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key} needs the '{module}' package: pip install 'rollwise[{extra}]' (on CPU, "
                               "`make scale` installs every scale-out extra and removes the CUDA wheels vLLM pulls)")
+
+
+CODE_RUNNERS = {"env.name": ("pyexec",), "data.task": ("pyexec",), "reward.fn": ("code_tests",)}
+
+
+def _check_sandbox(cfg: Config) -> None:
+    """A run that executes the policy's code (the built-in `pyexec` and `code_tests`) needs a working bubblewrap
+    sandbox, unless `sandbox.allow_unconfined = true` (plugins that run code are checked at their first run)."""
+    runs_code = [f"{key} = {value!r}" for key, value in (("env.name", cfg.env.name), ("data.task", cfg.data.task),
+                                                          ("reward.fn", cfg.reward.fn))
+                 if value in CODE_RUNNERS[key]]
+    if not runs_code or cfg.sandbox.allow_unconfined:
+        return
+    from rollwise import sandbox
+
+    if sandbox.unconfined_allowed():  # the user's own ROLLWISE_SANDBOX_UNCONFINED=allow
+        return
+    problem = sandbox.containment_problem()
+    if problem is not None:
+        raise ConfigError(f"{runs_code[0]} runs the policy's code, but {problem}: install bubblewrap (apt-get install "
+                          "bubblewrap, or `make setup` as root), or set sandbox.allow_unconfined = true to run it "
+                          "under rlimits only (network and files stay visible)")
 
 
 def _check_split(cfg: Config, factory) -> None:

@@ -12,16 +12,38 @@ Entries older than `replay.max_age` policy versions (counted from the oldest tok
 first when the buffer is over `replay.capacity`, and an entry leaves after `replay.max_uses` replays. Replayed
 samples keep their behaviour log-probs and version spans, so the trainer's importance correction
 (`algo.is_correction`) weighs them against the current policy.
+
+What a step decided about a sample belongs to that step (`STEP_FIELDS`): Self-Routing's route and loss weights,
+the SFT mark, the teacher's scores. The buffer stores and returns copies with those at their `Sample` defaults,
+and does not store samples routed `skip`. So a replayed sample trains with its stored reward advantage in any
+later stage (a `self_distill` one too, whose reward weight was 0 in its own step), and in a teacher stage it gets
+no teacher term: its old scores (of a live or EMA teacher that has moved since) are cleared, not reused, and it is
+not re-scored; the trainer gives unscored samples the reward advantage alone (times `distill.reward_weight`).
 """
 
 from __future__ import annotations
 
+import copy
 import random
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 from rollwise.config import ReplayConfig
 from rollwise.rollout import oldest_version
 from rollwise.types import Group, Sample
+
+
+# Sample fields one step sets for itself (rollwise.distill.step.prepare, the teacher): reset in stored samples
+STEP_FIELDS = ("loss_weights", "route", "teacher_logprobs", "teacher_topk")
+_DEFAULTS = {f.name: f for f in fields(Sample) if f.name in STEP_FIELDS}
+
+
+def without_step_decisions(sample: Sample) -> Sample:
+    """A shallow copy of `sample` whose `STEP_FIELDS` are at their `Sample` defaults (works on samples unpickled
+    from checkpoints written before some field existed)."""
+    fresh = copy.copy(sample)
+    for name, f in _DEFAULTS.items():
+        setattr(fresh, name, f.default_factory() if f.default_factory is not MISSING else f.default)
+    return fresh
 
 
 @dataclass
@@ -75,12 +97,13 @@ class ReplayBuffer:
         picked = self._pick(min(n, len(self.entries)))
         for e in picked:
             e.uses += 1
-            for s in e.samples:
-                s.replayed = True
         self.entries = [e for e in self.entries if e.uses < self.cfg.max_uses]
         self.counts["last_age_sum"] = sum(version - e.version for e in picked)
         self.counts["last_entries"] = len(picked)
-        return [s for e in picked for s in e.samples]
+        out = [without_step_decisions(s) for e in picked for s in e.samples]  # what this step does stays here
+        for s in out:
+            s.replayed = True
+        return out
 
     def _pick(self, n: int) -> list[Entry]:
         """`n` distinct entries: uniformly (`hard_case`) or with probability proportional to priority (`ssr`)."""
@@ -102,17 +125,20 @@ class ReplayBuffer:
         return picked
 
     def add(self, groups: list[Group], version: int) -> None:
-        """Store what qualifies among this step's trained groups (advantages already set)."""
+        """Store what qualifies among this step's trained groups (advantages already set): copies without this
+        step's decisions (`without_step_decisions`), and never a sample routed `skip` (`hard_case` judges the
+        whole group and stores the rest of it)."""
         if not self.enabled:
             return
         for group in groups:
             samples = group.usable()
+            kept = [without_step_decisions(s) for s in samples if getattr(s, "route", "") != "skip"]
             if self.cfg.kind == "hard_case":
                 rewards = [s.reward for s in samples]
-                if len(set(rewards)) > 1 and sum(rewards) / len(rewards) < self.cfg.hard_reward_threshold:
-                    self._store(Entry(samples, oldest_version(samples, version), 1.0))
+                if kept and len(set(rewards)) > 1 and sum(rewards) / len(rewards) < self.cfg.hard_reward_threshold:
+                    self._store(Entry(kept, oldest_version(kept, version), 1.0))
             else:
-                for s in samples:
+                for s in kept:
                     if abs(s.advantage) > self.cfg.min_abs_advantage:
                         self._store(Entry([s], oldest_version([s], version), abs(s.advantage)))
         overflow = len(self.entries) - self.cfg.capacity

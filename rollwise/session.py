@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollwise import sandbox
 from rollwise.config import Config, to_toml
 from rollwise.control import Controller
 from rollwise.data import PromptEncoder, PromptSource, build_prompt_source
 from rollwise.generate import TorchEngine
 from rollwise.generate.factory import build_engine, engine_dtype
-from rollwise.hardware import auto_threads, configure_allocator, configure_threads
+from rollwise.hardware import auto_threads, configure_allocator, configure_threads, slow_bf16_warning
 from rollwise.metrics import MetricsWriter, build_sinks, truncate_after
 from rollwise.models import load_model, model_info
 from rollwise.perf import FlopCounter
@@ -109,6 +110,10 @@ def seed_everything(seed: int) -> None:
 def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     """Build the run's components; with `resume`, restore the newest complete checkpoint."""
     configure_allocator()
+    sandbox.allow_unconfined(cfg.sandbox.allow_unconfined)  # for reward workers too (they inherit it)
+    warning = slow_bf16_warning(cfg.model.dtype, cfg.train.precision)
+    if warning:
+        print(warning, flush=True)
     generation_threads = 0
     if cfg.control.mode == "async":  # split the cores between the trainer and the generation process
         free_cores = auto_threads()  # the cores other processes leave free now (or ROLLWISE_THREADS)

@@ -104,11 +104,17 @@ class ToolCall:
 
 @dataclass
 class RewardResult:
-    """Outcome of one reward function on one sample. `error` is set when it failed."""
+    """Outcome of one reward function on one sample. `error` is set when it failed.
+
+    `correct`: whether the answer is right (accuracy, Self-Routing, demonstrations read it); None lets scoring
+    decide from a `correct` part, else `value > 0`. `info`: extras merged into `Sample.info` when the result
+    is applied (a reward never writes to the sample itself: under `reward.isolate` that would be lost)."""
 
     value: float
     parts: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    correct: bool | None = None
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

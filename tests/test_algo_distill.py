@@ -39,7 +39,44 @@ def test_gkd_two_token_vocab_by_hand():
     m = (0.7, 0.3)  # beta 0.5: M = (S + T) / 2
     js = 0.5 * (0.9 * math.log(0.9 / m[0]) + 0.1 * math.log(0.1 / m[1])) \
         + 0.5 * (0.5 * math.log(0.5 / m[0]) + 0.5 * math.log(0.5 / m[1]))
-    assert_close(gkd(s, t, mask, beta=0.5)[0], torch.tensor([[js]]))
+    assert_close(gkd(s, t, mask, beta=0.5)[0], torch.tensor([[js / 0.25]]))  # normalised by beta (1 - beta)
+
+
+S3, T3 = (0.2, 0.5, 0.3), (0.6, 0.3, 0.1)  # student and teacher over a 3-token vocabulary
+
+
+def _three_tokens(beta: float) -> float:
+    s, t = torch.log(torch.tensor([[list(S3)]])), torch.log(torch.tensor([[list(T3)]]))
+    return float(gkd(s, t, torch.ones(1, 1), beta=beta)[0])
+
+
+def _kl_chi2(p: tuple, q: tuple) -> tuple[float, float]:
+    """KL(P || Q) and the chi-square divergence sum (p - q)^2 / q."""
+    return sum(a * math.log(a / b) for a, b in zip(p, q)), sum((a - b) ** 2 / b for a, b in zip(p, q))
+
+
+def test_gkd_at_half_on_three_tokens_by_hand():
+    m = [(a + b) / 2 for a, b in zip(S3, T3)]  # (0.4, 0.4, 0.2)
+    jsd = 0.5 * _kl_chi2(T3, m)[0] + 0.5 * _kl_chi2(S3, m)[0]  # GKD's JSD at beta 0.5 = 0.0969...
+    assert _three_tokens(0.5) == pytest.approx(jsd / (0.5 * 0.5), rel=1e-6)
+
+
+def test_a_gkd_beta_sweep_is_continuous_at_both_ends():
+    # f(beta) = JSD_beta / (beta (1 - beta)) = KL(T||S) + beta (KL(T||S) - chi2(T||S) / 2) + O(beta^2) near 0, and
+    # KL(S||T) + eps (KL(S||T) - chi2(S||T) / 2) + O(eps^2) at beta = 1 - eps. With beta = eps = 1e-4 the two
+    # values may differ by about 1e-4 x |KL - chi2 / 2| (1.1e-5 and 3.5e-6 here); we allow twice that plus 1e-6
+    # for float32 rounding of values near 0.5. The unnormalised JSD would be 1e-4 x KL: off by ~0.5, not 1e-5.
+    eps = 1e-4
+    forward, chi2_forward = _kl_chi2(T3, S3)
+    reverse, chi2_reverse = _kl_chi2(S3, T3)
+    assert _three_tokens(0.0) == pytest.approx(forward, rel=1e-6)
+    assert _three_tokens(1.0) == pytest.approx(reverse, rel=1e-6)
+    assert abs(_three_tokens(eps) - _three_tokens(0.0)) <= 2 * eps * abs(forward - chi2_forward / 2) + 1e-6
+    assert abs(_three_tokens(1 - eps) - _three_tokens(1.0)) <= 2 * eps * abs(reverse - chi2_reverse / 2) + 1e-6
+    # and the first-order term itself, where float32 still resolves it (beta = 1e-2: 1.1e-3 from the limit)
+    assert _three_tokens(1e-2) - forward == pytest.approx(1e-2 * (forward - chi2_forward / 2), rel=0.05)
+    sweep = [_three_tokens(b / 100) for b in range(101)]  # no jump anywhere: neighbours within 0.05
+    assert max(abs(a - b) for a, b in zip(sweep, sweep[1:])) < 0.05
 
 
 def test_gkd_limits_equal_torch_kl_div_in_each_direction():

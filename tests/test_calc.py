@@ -90,8 +90,7 @@ def guided_only(sample):
     """A reward that calls guided episodes (and their substitutes) right and the others wrong: on a random
     tiny model, this drives the substitution."""
     correct = bool(sample.prompt.info.get("example")) or bool(sample.info.get("substituted"))
-    sample.correct = correct
-    return RewardResult(float(correct), {"correct": float(correct)})
+    return RewardResult(float(correct), {"correct": float(correct)}, correct=correct)
 
 
 def test_substitution_fills_hard_groups_with_guided_answers_rescored_in_their_own_context():

@@ -4,6 +4,7 @@ hand-computed choices, the CPU of real competitor processes, and the env/threads
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -206,3 +207,26 @@ def test_auto_threads_leave_a_busy_core_to_its_process():
     n, set_, physical = map(int, out.stdout.split())
     assert n == set_ <= physical - 1
     assert f"rollwise: threads: {n} of {physical} cores" in out.stderr
+
+
+def test_explicit_bf16_on_a_cpu_without_native_bf16_is_named_at_dry_run_with_the_measured_factor(monkeypatch, tmp_path):
+    """`model.dtype = "bfloat16"` where the CPU lacks AVX512-BF16 / AMX: `--dry-run` says so in one line with
+    the bf16 and fp32 matmul rates measured now; `auto` and fp32 say nothing."""
+    from typer.testing import CliRunner
+
+    import rollwise.hardware as hardware
+    from rollwise.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    result = CliRunner().invoke(app, ["train", "--dry-run", "model.dtype=bfloat16", "train.precision=bf16"])
+    assert result.exit_code == 0
+    warning = [line for line in result.output.splitlines() if line.startswith("rollwise: warning:")]
+    assert len(warning) == 1
+    assert re.search(r"model.dtype = 'bfloat16' and train.precision = 'bf16' on a CPU without native bf16 .*"
+                     r"runs at [\d.]+ GFLOP/s here against [\d.]+ in fp32 \(\d+x slower\)", warning[0]), warning[0]
+    for quiet in (["model.dtype=auto", "train.precision=auto"], ["model.dtype=float32"]):
+        out = CliRunner().invoke(app, ["train", "--dry-run", *quiet]).output
+        assert "rollwise: warning:" not in out
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    assert "rollwise: warning:" not in CliRunner().invoke(app, ["train", "--dry-run", "model.dtype=bfloat16"]).output

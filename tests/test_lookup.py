@@ -124,7 +124,8 @@ def test_reward_is_exact_match_after_normalising(text: str, correct: bool, found
     prompt = Prompt(uid="p", messages=[], answer="Mason", source="lookup:test")
     s = sample(prompt, text)
     result = lookup_reward(s)
-    assert result.value == (1.0 if correct else 0.0) and s.correct is correct
+    assert result.value == (1.0 if correct else 0.0) and result.correct is correct
+    assert s.correct is None  # a reward does not write to the sample; scoring applies its result
     assert result.parts == {"correct": result.value, "format": 1.0 if found else 0.0}
 
 

@@ -92,9 +92,11 @@ def test_verifier_table(name, text, answer, correct):
     s = sample(text, answer)
     result = REWARDS.get(name)(s)
     assert result == RewardResult(
-        value=float(correct), parts={"correct": float(correct), "format": result.parts["format"]}, error=None
+        value=float(correct), parts={"correct": float(correct), "format": result.parts["format"]}, error=None,
+        correct=correct,
     )
-    assert s.correct is correct
+    assert s.correct is None  # the verifier reports; it does not write to the sample
+    assert score_sample(s, REWARDS.get(name)) and s.correct is correct
 
 
 def test_format_part_says_whether_an_answer_was_found():
@@ -214,7 +216,7 @@ def test_build_reward_fn_default_plugin_and_format_weight(monkeypatch):
     plugin.half = lambda s: RewardResult(value=0.5, parts={"correct": 0.0, "format": 1.0})
     monkeypatch.setitem(sys.modules, "fake_reward_plugin", plugin)
     weighted = build_reward_fn(RewardConfig(fn="fake_reward_plugin:half", format_weight=0.25), "arith")
-    assert weighted(sample("x")) == RewardResult(value=0.75, parts={"correct": 0.0, "format": 1.0})
+    assert weighted(sample("x")) == RewardResult(value=0.75, parts={"correct": 0.0, "format": 1.0}, correct=False)
     arith = build_reward_fn(RewardConfig(format_weight=0.1), "arith")
     assert arith(sample("11")).value == pytest.approx(0.1) and arith(sample("12")).value == pytest.approx(1.1)
     assert arith(sample("none")).value == 0.0
@@ -265,7 +267,8 @@ def test_format_weight_with_a_plain_float_reward(monkeypatch):
     plugin.bad = lambda s: "yes"
     monkeypatch.setitem(sys.modules, "fake_float_plugin", plugin)
     weighted = build_reward_fn(RewardConfig(fn="fake_float_plugin:quarter", format_weight=0.5), "arith")
-    assert weighted(sample("x")) == RewardResult(value=0.25, parts={})  # no format part: no bonus, no error
+    # no format part: no bonus, no error; correct decided on the reward's own value
+    assert weighted(sample("x")) == RewardResult(value=0.25, parts={}, correct=True)
     flag = build_reward_fn(RewardConfig(fn="fake_float_plugin:flag", format_weight=0.5), "arith")
     s = sample("x")
     assert score_sample(s, flag) and s.reward == 1.0 and s.correct is True
@@ -363,7 +366,7 @@ def test_isolated_reward_errors_traceback_and_crash():
         assert [s.reward for s in samples] == [1.0, None, 0.0] and samples[0].correct is True
         assert samples[1].reward_error == "ValueError: prompt 'test:0' has no reference answer"
         assert "in reference" in samples[1].reward_traceback
-        assert fn(sample("12")) == RewardResult(value=1.0, parts={"correct": 1.0, "format": 1.0})
+        assert fn(sample("12")) == RewardResult(value=1.0, parts={"correct": 1.0, "format": 1.0}, correct=True)
     with IsolatedReward("toy_plugins:crash_on_request", timeout_s=5.0) as fn:
         crash, after = sample("crash"), sample("fine")
         score_samples([crash, after], fn, 5.0)
@@ -440,3 +443,89 @@ def test_guard_resets_when_one_sample_scored_and_keeps_state():
         restored.observe(5, 0, 8, bad)
     with pytest.raises(ValueError, match="max_failed_steps"):
         RewardFailureGuard(0)
+
+
+# ------------------------------------------------------------------- correctness and extras are results
+
+
+def says(value: float, correct, parts: dict | None = None, info: dict | None = None):
+    """A reward returning `value` with RewardResult.correct = `correct`."""
+    return lambda _: RewardResult(value=value, parts=parts or {}, correct=correct, info=info or {})
+
+
+@pytest.mark.parametrize("reward, correct", [
+    (says(0.6, False), False),  # partial credit that is not a right answer
+    (says(0.0, True), True),
+    (says(1.0, False, {"correct": 1.0}), False),  # the explicit field wins over the part
+    (says(0.3, None), True),  # None: decided from the value, as before
+    (says(0.3, None, {"correct": 0.0}), False),  # ... or from a `correct` part
+    (says(0.3, np.bool_(False)), False),
+])
+def test_correct_is_the_results_when_it_says(reward, correct):
+    s = sample("x")
+    assert score_sample(s, reward)
+    assert s.correct is correct
+
+
+def test_accuracy_reads_the_explicit_correct():
+    samples = [sample("a"), sample("b"), sample("c")]
+    rewards = iter([says(1.0, True), says(0.5, False), says(0.5, False)])
+    metrics = score_samples(samples, lambda s: next(rewards)(s))
+    assert metrics["reward/accuracy"] == pytest.approx(1 / 3) and metrics["reward/mean"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("result, message", [
+    (RewardResult(1.0, correct="yes"), "TypeError: RewardResult.correct is str, expected True, False or None"),
+    (RewardResult(1.0, correct=1), "TypeError: RewardResult.correct is int, expected True, False or None"),
+    (RewardResult(1.0, info=[("k", 1)]), "TypeError: RewardResult.info is list, expected a dict"),
+])
+def test_a_bad_correct_or_info_is_a_one_line_failure(result, message):
+    s = sample("x")
+    assert not score_sample(s, lambda _: result)
+    assert s.status == Status.FAILED and s.reward_error == message and "\n" not in s.reward_error
+
+
+def extras_reward(sample: Sample) -> RewardResult:
+    """Reports extras in the result, and (wrongly) also writes to the sample: only the result must count."""
+    sample.correct = True
+    sample.info["written"] = True
+    return RewardResult(value=0.5, parts={}, correct=False, info={"seen": sample.response_text, "cost_s": 0.25})
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_extras_travel_in_the_result_and_survive_isolation(isolate):
+    fn = build_reward_fn(RewardConfig(fn="test_rewards:extras_reward", isolate=isolate), "arith")
+    try:
+        s = sample("the response")
+        assert score_sample(s, fn)
+    finally:
+        if isolate:
+            fn.close()
+    assert s.info["seen"] == "the response" and s.info["cost_s"] == 0.25
+    assert s.correct is False  # the result's, whatever the reward wrote on its copy
+    assert ("written" in s.info) is (not isolate)  # a side effect is lost in a worker: why rewards must not rely on one
+
+
+def formatted_but_wrong(sample: Sample) -> RewardResult:
+    return RewardResult(value=0.0, parts={"format": 1.0})
+
+
+def test_the_format_bonus_does_not_make_a_wrong_answer_correct():
+    fn = build_reward_fn(RewardConfig(fn="test_rewards:formatted_but_wrong", format_weight=0.5), "arith")
+    s = sample("x")
+    assert score_sample(s, fn)
+    assert (s.reward, s.correct) == (0.5, False)  # was True: correct was decided on the value with the bonus
+
+
+def test_a_non_finite_environment_part_fails_the_sample():
+    from rollwise.envs.episode import EpisodeState
+
+    bad, good = sample("12"), sample("12")
+    bad.episode = EpisodeState(env_state=None, messages=[], parts={"tool_calls": 1.0, "tool_errors": math.nan})
+    good.episode = EpisodeState(env_state=None, messages=[], parts={"tool_calls": 1.0})
+    metrics = score_samples([bad, good], REWARDS.get("arith"))
+    assert bad.status == Status.FAILED and bad.reward is None
+    assert bad.reward_error == ("EnvironmentFailure: the environment's reward parts ['tool_errors'] are not finite "
+                                "numbers (tool_errors=nan)")
+    assert good.reward_parts == {"correct": 1.0, "format": 1.0, "env/tool_calls": 1.0}
+    assert metrics["reward/errors"] == 1.0

@@ -121,6 +121,8 @@ def test_a_missing_interpreter_is_a_sandbox_error():
 
 
 def test_bwrap_that_cannot_start_is_an_error_when_asked_for_and_a_loud_fallback_in_auto(monkeypatch):
+    """With the opt-in to unconfined code (tests/test_sandbox_policy.py: without it, "auto" refuses too)."""
+    monkeypatch.setenv(sandbox.ENV_UNCONFINED, "allow")
     monkeypatch.setattr(bw, "bwrap_path", lambda: "/bin/false")  # an install that exits 1 at once
     monkeypatch.setattr(bw, "_PROBED", {})
     monkeypatch.setattr(sandbox, "_warned", set())
@@ -132,6 +134,7 @@ def test_bwrap_that_cannot_start_is_an_error_when_asked_for_and_a_loud_fallback_
 
 
 def test_missing_bwrap_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setenv(sandbox.ENV_UNCONFINED, "allow")  # the user's opt-in (tests/test_sandbox_policy.py)
     monkeypatch.setattr(bw, "bwrap_path", lambda: None)
     monkeypatch.setattr(sandbox, "_warned", set())
     with pytest.warns(RuntimeWarning, match="not installed") as caught:
@@ -308,3 +311,22 @@ def test_file_size_limit(backend):
     result = run(program, limits=SMALL, backend=backend)
     assert (result.exit_code, result.killed_by) == (1, None), result  # Python ignores SIGXFSZ: write() fails
     assert "OSError: [Errno 27] File too large" in result.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_code_cannot_open_the_wrappers_memory_or_status_pipe(backend):
+    """The wrapper that reports the code's true exit status runs under the same uid: it is made non-dumpable, so
+    the code can neither open its /proc/PID/mem (to rewrite the status) nor its descriptors."""
+    program = code("""
+        import os
+        parent = os.getppid()
+        for path in ("/proc/%d/mem" % parent, "/proc/%d/fd/4" % parent, "/proc/%d/environ" % parent):
+            try:
+                os.close(os.open(path, os.O_RDONLY))
+                print("opened", path.rsplit("/", 1)[1])
+            except OSError as exc:
+                print("refused", path.rsplit("/", 1)[1], type(exc).__name__)
+    """)
+    result = run(program, limits=SMALL, backend=backend)
+    assert "opened" not in result.stdout, result.stdout
+    assert result.stdout.count("refused") == 3, (result.stdout, result.stderr)

@@ -241,3 +241,52 @@ def test_vllm_server_launched_by_the_run_trains_and_stops(tmp_path, hd64_model_d
             and p.status() != psutil.STATUS_ZOMBIE]
     _, alive = psutil.wait_procs(left, timeout=15)
     assert not alive, [(p.pid, _name(p)) for p in alive]
+
+
+# every kind of route of the launched server: OpenAI (/v1, guarded by vLLM's own key check too), the dev routes a
+# sync uses (guarded only by rollwise's RequireKey middleware), and the other unprefixed ones
+UNGUARDED_BY_VLLM = [("POST", "/collective_rpc", {"method": "rollwise_version"}), ("POST", "/pause", None),
+                     ("POST", "/resume", None), ("POST", "/reset_prefix_cache", None), ("POST", "/sleep", None),
+                     ("GET", "/server_info", None), ("GET", "/is_paused", None), ("GET", "/health", None),
+                     ("POST", "/tokenize", {"model": "rollwise", "prompt": "hi"}), ("GET", "/metrics", None)]
+GUARDED_BY_VLLM = [("POST", "/v1/completions", {"model": "rollwise", "prompt": [5, 6], "max_tokens": 2}),
+                   ("GET", "/v1/models", None)]
+
+
+@pytest.mark.slow
+def test_the_launched_vllm_server_refuses_every_route_without_its_key(tmp_path, hd64_model_dir):
+    """rollout.server = 'launch' through `build_engine`: the server answers 401 on every route to a caller
+    without its key (a wrong one, or one without `Bearer`); rollwise's engine samples and syncs with it; the
+    key is in neither the server's command line nor its log."""
+    pytest.importorskip("vllm")
+    import httpx
+    import psutil
+
+    from rollwise.generate.factory import build_engine
+    from rollwise.models import load_model
+
+    cfg = tiny_config(hd64_model_dir, **VLLM_TEST_OPTIONS, **{"rollout.engine": "vllm", "rollout.server": "launch"})
+    model, tok = load_model(str(hd64_model_dir), dtype=torch.float32)
+    engine = build_engine(cfg, model, tok, tmp_path)
+    key = engine.server.api_key
+    try:
+        assert len(key) >= 32
+        for method, path, body in UNGUARDED_BY_VLLM + GUARDED_BY_VLLM:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                r = httpx.request(method, engine.base_url + path, json=body, headers=headers, timeout=30)
+                assert r.status_code == 401, (method, path, headers, r.status_code, r.text[:200])
+        r = httpx.get(engine.base_url + "/health", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200
+        from rollwise.types import GenerationRequest, SamplingParams
+
+        (res,) = engine.generate([GenerationRequest(0, [5, 6, 7], SamplingParams(max_new_tokens=4))])
+        assert 1 <= len(res.response_ids) <= 4
+        engine.update_weights({n: p.detach() for n, p in model.named_parameters()}, 1)
+        assert engine.server_versions() == [1] and engine.version == 1
+        family = [psutil.Process(engine.server.process.pid)]
+        family += family[0].children(recursive=True)
+        assert all(key not in " ".join(p.cmdline()) for p in family)
+        assert key not in repr(engine.server)
+    finally:
+        engine.close()
+    assert key not in (tmp_path / "vllm_server.log").read_text(errors="replace")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import tempfile
 
 import httpx
 import pytest
@@ -345,11 +344,11 @@ def test_failed_job_says_why_and_server_goes_on(served):
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def test_weights_push_changes_the_policy_and_version(tiny):
+def test_weights_push_changes_the_policy_and_version(tiny, tmp_path):
     from safetensors.torch import save, save_file
 
     model, tok = tiny
-    service, server = start(tiny)
+    service, server = start(tiny, weights_root=tmp_path)
     try:
         other = tiny_llama(len(tok), seed=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         state = {k: v.contiguous() for k, v in other.state_dict().items() if k != "lm_head.weight"}
@@ -362,12 +361,12 @@ def test_weights_push_changes_the_policy_and_version(tiny):
         ids = out["choices"][0]["token_ids"]
         assert torch.allclose(torch.tensor(trainer_logprobs(other, [5, 6, 7] + ids, 3)),
                               torch.tensor(out["choices"][0]["token_logprobs"]), atol=1e-4)
-        # a folder on the shared file system, as JSON
-        with tempfile.TemporaryDirectory() as tmp:
-            save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-                      f"{tmp}/model.safetensors")
-            r = http.post("/v1/weights", json={"path": tmp, "version": 4})
-            assert r.status_code == 200 and r.json()["policy_version"] == 4
+        # a folder under serve.weights_root on the shared file system, as JSON
+        (tmp_path / "v4").mkdir()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+                  tmp_path / "v4" / "model.safetensors")
+        r = http.post("/v1/weights", json={"path": str(tmp_path / "v4"), "version": 4})
+        assert r.status_code == 200 and r.json()["policy_version"] == 4
         # bad weights: 400 with the reason, the policy is left as it was
         r = http.post("/v1/weights?version=5", content=save({"nope.weight": torch.zeros(2)}),
                       headers={"Content-Type": "application/octet-stream"})

@@ -123,6 +123,19 @@ def test_errors_are_one_clear_line(served):
         wrong.submit(1, [], SamplingParams(), stop=object())
 
 
+def test_no_key_anywhere_is_one_line_naming_the_variable(served, monkeypatch):
+    _, server, tok = served
+    monkeypatch.delenv("ROLLWISE_API_KEY", raising=False)
+    with pytest.raises(ServiceError) as info:
+        ServiceRollouts(server.url, None, tok, timeout_s=10)
+    assert "set $ROLLWISE_API_KEY" in str(info.value) and "\n" not in str(info.value)
+    monkeypatch.setenv("ROLLWISE_API_KEY", KEY)  # the environment is enough
+    rollouts = ServiceRollouts(server.url, None, tok, timeout_s=10)
+    rollouts.submit(0, groups_of(tok, ["hi"], 1), SamplingParams(max_new_tokens=2))
+    assert rollouts.wait(0).stats.requests == 1
+    rollouts.close()
+
+
 def test_request_timeout_cancels_the_job(served):
     service, server, tok = served
     service._envs[("slow", 4)] = ScriptedEnv(4, step_s=2.0)
@@ -158,3 +171,25 @@ def test_two_step_training_run_against_the_service(tiny_model_dir, tmp_path):
     finally:
         server.stop()
         service.worker.close()
+
+
+class NanPartEnv(ScriptedEnv):
+    """ScriptedEnv whose tool turn reports a NaN reward part (a broken verifier inside an environment)."""
+
+    def step(self, state, text):
+        result = super().step(state, text)
+        result.reward_parts = {"tool_calls": float("nan")}
+        return result
+
+
+def test_a_nan_reward_part_is_served_and_comes_back_as_nan(served):
+    import math
+
+    service, server, tok = served
+    service._envs[("nanparts", 4)] = NanPartEnv(2)
+    rollouts = ServiceRollouts(server.url, KEY, tok, timeout_s=60, env="nanparts", max_episode_tokens=96)
+    groups = groups_of(tok, ["What is 6 * 7?"], 1)
+    rollouts.submit(0, groups, SamplingParams(max_new_tokens=4, temperature=1.0))
+    rollouts.wait(0)  # the job's JSON used to fail to render (HTTP 500): JSON has no NaN
+    assert math.isnan(groups[0].samples[0].episode.parts["tool_calls"])
+    rollouts.close()

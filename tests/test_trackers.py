@@ -56,6 +56,19 @@ def test_flatten_config_joins_sections_with_dots() -> None:
                                       "rollout.stop": '["\\n\\n"]', "run.name": "null"}
 
 
+def test_a_secret_in_a_hand_made_config_dict_is_logged_as_stars(tmp_path: Path, monkeypatch) -> None:
+    """`Config.model_dump(mode="json")` masks the API keys already; a plain dict holding one is masked too."""
+    isolate_env(monkeypatch, *MLFLOW_ENV)
+    config = {"rollout": {"service_api_key": "raw-key-123", "temperature": 0.5}, "serve": {"api_key": None}}
+    assert flatten_config(config) == {"rollout.service_api_key": "***", "rollout.temperature": 0.5,
+                                      "serve.api_key": "null"}
+    with build_sinks(["mlflow"], tmp_path, "r", config) as sinks:
+        sinks.write({"step": 1, "reward/mean": 0.5})
+    params = mlflow_client((tmp_path / "mlruns").as_uri()).get_run(
+        (tmp_path / MLFLOW_ID_FILE).read_text().strip()).data.params
+    assert params["rollout.service_api_key"] == "***" and params["rollout.temperature"] == "0.5"
+
+
 # --- TensorBoard ------------------------------------------------------------------------------------------------
 
 

@@ -126,10 +126,10 @@ def accumulative_tool(
         r' = r + per_call * n * 1[correct]
 
     with `n = parts["env/tool_calls"]` (every executed call, including calls whose tool raised; unparseable
-    attempts are not calls). Read from the authors' code (github.com/agents-x-project/PyVision-RL,
-    `verl_agents`): each executed tool turn returns an env reward `tool_using_cumulative_reward_per_turn`
-    (0.1 in their training scripts and README), summed over the episode and added to the outcome reward only
-    when the answer is judged right. Our envs stop a turn at the call's closing tag, so one turn holds at most
+    attempts and calls to a tool the env does not have are not calls). Read from the authors' code
+    (github.com/agents-x-project/PyVision-RL, `verl_agents`): each executed tool turn returns an env reward
+    `tool_using_cumulative_reward_per_turn` (0.1 in their training scripts and README), summed over the episode
+    and added to the outcome reward only when the answer is judged right. Our envs stop a turn at the call's closing tag, so one turn holds at most
     one call and calls = tool turns. `lengths`, `group_ids` and `max_len` are unused.
     """
     calls = part(parts, TOOL_CALLS, rewards)
@@ -152,7 +152,8 @@ def tool_format(
         r' = r + weight * 1[calls >= 1 and parse_failures == 0] - weight * parse_failures
 
     with `calls = parts["env/tool_calls"]` and `parse_failures = parts["env/parse_failures"]` (attempted calls
-    that could not be parsed, e.g. an unclosed tag). Episodes without any call attempt are left as they are.
+    that could not be parsed, e.g. an unclosed tag, or that name a tool the env does not have). Episodes without
+    any call attempt are left as they are.
     `lengths`, `group_ids`, `correct` and `max_len` are unused.
     """
     calls = part(parts, TOOL_CALLS, rewards)

@@ -74,14 +74,16 @@ def gap_metrics(gap: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor | N
       `entropy_mean` says the gap sits at high-entropy "forking" tokens (the privileged
       self-distillation study: privileged context reshapes learning at high-entropy forking positions);
       below it says it sits at confident tokens where the student is wrong.
-    With no masked token at all only `distill/gap_mean` (0.0) is returned.
+    With no masked token at all nothing is returned ({}): no gap was measured, and a 0.0 would read as "the
+    student matches the teacher". The trainer calls this once per step over the whole batch
+    (`rollwise.distill.terms.StepRecord`), so the top share is the batch's, not a micro-batch's.
     """
     _check_shapes(gap, mask, entropy, top_frac, buckets)
     on = mask > 0  # [N, T]
     gap = gap.detach().float()
     count = int(on.sum())
     if count == 0:
-        return {PREFIX + "gap_mean": 0.0}
+        return {}
     out = {PREFIX + "gap_mean": float(gap[on].mean())}
     lengths = response_lengths(mask)  # [N]
     positions = torch.arange(gap.shape[-1], device=gap.device)  # [T]

@@ -55,12 +55,14 @@ def route_samples(samples: list[Sample], threshold: float) -> tuple[list[Sample]
 
 
 def sample_record(sample: Sample) -> dict:
-    """What `samples/step-N.jsonl` shows of a scored sample: the mean gap between the sampling log-probs and the
-    teacher's over the trained tokens, the teacher's summed log-prob, and the Self-Routing route."""
+    """What `samples/step-N.jsonl` shows of a scored sample: the mean gap between the student's own untruncated
+    log-probs and the teacher's over the trained tokens (None without any), their number, the teacher's summed
+    log-prob, and the Self-Routing route."""
     own = sample.full_logprobs or sample.behaviour_logprobs
     pairs = [(o, t) for o, t, m in zip(own, sample.teacher_logprobs, sample.loss_mask) if m]
-    return {"teacher_gap_mean": sum(o - t for o, t in pairs) / max(1, len(pairs)),
-            "teacher_logprob_sum": sum(t for _, t in pairs), "route": sample.route or None}
+    return {"teacher_gap_mean": sum(o - t for o, t in pairs) / len(pairs) if pairs else None,
+            "teacher_tokens": len(pairs), "teacher_logprob_sum": sum(t for _, t in pairs),
+            "route": sample.route or None}
 
 
 def sft_coef_now(cfg, stage: Stage, step: int, samples: list[Sample]) -> float:

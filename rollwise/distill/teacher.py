@@ -284,12 +284,33 @@ def build_teacher(cfg, policy, tokenizer, encoder: PromptEncoder, trainer, pad_i
         check_same_tokenizer(tokenizer, teacher_tokenizer, repr(kind))
     if kind != "live":
         model.eval().requires_grad_(False)
+    check_vocabulary(cfg, policy, model, kind)
     if tcfg.backend == "engine":
         return _engine_teacher(cfg, model, tokenizer, wide, run_dir)
     top_k = tcfg.top_k if cfg.distill.objective == "gkd" else 0
     cls = EmaTeacher if kind == "ema" else Teacher
     return cls(model, tcfg, wide, pad_id, cfg.train.micro_batch_tokens, cfg.train.share_prompt,
                autocast=getattr(trainer, "_autocast", None), top_k=top_k)
+
+
+def check_vocabulary(cfg, student, teacher, where: str) -> None:
+    """TeacherError before any step when GKD or the TRB / rollout-mixture sampler cannot compare the two
+    next-token distributions: `teacher.top_k` over the teacher's vocabulary, or LM heads of different sizes
+    (GKD gathers the teacher's top-k ids from the student's softmax; TRB mixes the two row by row)."""
+    rows_s = student.get_output_embeddings().weight.shape[0]
+    rows_t = teacher.get_output_embeddings().weight.shape[0]
+    d = cfg.distill
+    if d.objective == "gkd" and cfg.teacher.top_k > rows_t:
+        raise TeacherError(f"teacher.top_k = {cfg.teacher.top_k} is more than the teacher's {rows_t} tokens; "
+                           f"lower it (at most {rows_t})")
+    if d.objective == "gkd" and rows_t != rows_s:
+        raise TeacherError(f"teacher {where!r}: its LM head has {rows_t} rows and the student's {rows_s}; GKD compares "
+                           "the two distributions token id by token id: use distill.objective = 'opd', or a teacher "
+                           "with the student's vocabulary size")
+    if (d.trb_steps > 0 or d.teacher_rollouts_per_group > 0) and rows_t < rows_s:
+        raise TeacherError(f"teacher {where!r}: its LM head has {rows_t} rows, fewer than the student's {rows_s}; "
+                           "distill.trb_steps / teacher_rollouts_per_group sample from the mixture of the two: set "
+                           "them to 0, or use a teacher whose vocabulary covers every student token id")
 
 
 def _engine_teacher(cfg, model, tokenizer, encoder: PromptEncoder, run_dir: Path | None) -> EngineTeacher:

@@ -5,8 +5,10 @@
 - `hermes`: `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>` (Hermes / Qwen style JSON).
 
 `parse(text, tools) -> ParseOutcome`: the calls found and the attempts that could not be parsed (an opening tag
-without its closing one, bad JSON, a missing name). The engine stops a turn at `stop(tools)`, so a turn holds
-at most one call; a message without any attempt is the policy's final answer.
+without its closing one, bad JSON, a missing name, a tool the env does not have: `tag` never matches one, and
+`hermes` reports it as a failure with the tools there are, so it is never counted as a call). The engine stops
+a turn at `stop(tools)`, so a turn holds at most one call; a message without any attempt is the policy's final
+answer.
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ class ToolParser(Protocol):
 PARSERS: Registry = Registry("tool-call parser")
 
 
+def unknown_tool(name: str, tools: dict[str, Tool]) -> str:
+    """The error text of a call to a tool that is not in `tools` (a failed attempt, not a call)."""
+    return f"unknown tool {name!r}; available: {', '.join(sorted(tools)) or 'none'}"
+
+
 class TagParser:
     name = "tag"
 
@@ -95,6 +102,9 @@ class HermesParser:
                 continue
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 out.failures.append('tool call needs {"name": ..., "arguments": {...}}')
+                continue
+            if call["name"] not in tools:
+                out.failures.append(unknown_tool(call["name"], tools))
                 continue
             args = call.get("arguments", {})
             if not isinstance(args, dict):

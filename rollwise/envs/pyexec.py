@@ -274,7 +274,7 @@ class PyExecEnv:
             return StepResult(messages=messages, done=last_turn, reward_parts=parts)
         start = time.perf_counter()
         outcome = run_tests(code, self.visible(prompt.info["tests"]), self.limits, prompt.source or prompt.uid)
-        all_passed = outcome.passed == outcome.total
+        all_passed = outcome.total > 0 and outcome.passed == outcome.total
         feedback = "all tests passed" if all_passed else feedback_text(outcome, self.feedback_chars)
         call = ToolCall(name="run_tests", args={"code": code}, turn=turn, result=feedback,
                         wall_s=time.perf_counter() - start, sandbox_s=outcome.sandbox_s)

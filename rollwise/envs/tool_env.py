@@ -2,8 +2,10 @@
 
 Each assistant message is parsed with the env's parser (rollwise.envs.parsers). A message with calls gets one
 tool message back holding every call's result (or error text); a message without any call attempt ends the
-episode (it is the final answer the reward scores). Unparseable attempts are fed back as errors and counted.
-Per-step reward parts: `tool_calls`, `tool_errors`, `parse_failures` (summed per episode as `env/<part>`).
+episode (it is the final answer the reward scores). Unparseable attempts, and calls to a tool the env does not
+have (whatever parser made them), are fed back as errors and counted as parse failures, never as calls.
+Per-step reward parts: `tool_calls` (calls to the env's tools, failed ones included), `tool_errors` (those that
+failed), `parse_failures` (summed per episode as `env/<part>`; shaping reads them: rollwise.algo.tool_shaping).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from typing import Any
 
 from rollwise.envs.base import StepResult, Tool
-from rollwise.envs.parsers import ParsedCall, ToolParser, get_parser
+from rollwise.envs.parsers import ParsedCall, ToolParser, get_parser, unknown_tool
 from rollwise.types import Prompt, ToolCall
 
 MAX_RESULT_CHARS = 2000  # a longer tool result is cut (and says so): it would crowd out the episode's budget
@@ -47,16 +49,18 @@ class ToolEnv:
         state["turn"] = turn + 1
         if not outcome.attempted:
             return StepResult(done=True, reward_parts={"tool_calls": 0.0, "tool_errors": 0.0, "parse_failures": 0.0})
-        calls = [run_tool(tools, parsed, turn) for parsed in outcome.calls]
-        lines = [c.result for c in calls] + [f"error: {f}" for f in outcome.failures]
+        calls = [run_tool(tools, parsed, turn) for parsed in outcome.calls if parsed.name in tools]
+        failures = outcome.failures + [unknown_tool(parsed.name, tools) for parsed in outcome.calls
+                                       if parsed.name not in tools]
+        lines = [c.result for c in calls] + [f"error: {f}" for f in failures]
         errors = sum(c.error is not None for c in calls)
         return StepResult(
             messages=[{"role": self.result_role, "content": "\n".join(lines)}],
             done=False,
             reward_parts={"tool_calls": float(len(calls)), "tool_errors": float(errors),
-                          "parse_failures": float(len(outcome.failures))},
+                          "parse_failures": float(len(failures))},
             tool_calls=calls,
-            parse_failures=len(outcome.failures),
+            parse_failures=len(failures),
         )
 
 
@@ -66,7 +70,7 @@ def run_tool(tools: dict[str, Tool], parsed: ParsedCall, turn: int) -> ToolCall:
     tool = tools.get(parsed.name)
     start = time.perf_counter()
     if tool is None:
-        call.error = f"unknown tool {parsed.name!r}; available: {', '.join(sorted(tools))}"
+        call.error = unknown_tool(parsed.name, tools)
     else:
         try:
             call.result = tool(**parsed.args)

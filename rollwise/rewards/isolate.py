@@ -16,7 +16,7 @@ busy `KILL_GRACE_S` after `timeout_s` is killed (SIGKILL), its sample fails with
 than X s (worker killed)", and a fresh worker is started. A worker that dies (segfault, `os._exit`) fails its
 sample the same way. Workers run in their own session (Ctrl-C reaches only the parent, which closes them) and,
 on Linux, die with the thread that started them. Changes the reward makes to the sample in the worker are not
-sent back; only its result is.
+sent back; only its result is (`correct` and `info` included: rewards report through it, never the sample).
 """
 
 from __future__ import annotations

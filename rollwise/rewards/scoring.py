@@ -1,9 +1,11 @@
 """Score samples with a reward function: failures are marked and counted, never scored 0.
 
-A reward function takes a `Sample` and returns a `RewardResult(value, parts, error)`, or just the value: a
-float, an int or a bool (as TRL-style rewards do; numpy scalars and 0-d tensors too). A bool scores 1.0 / 0.0
-with part `correct`; for a number, `correct` is `value > 0` unless a `correct` part says otherwise. NaN / Inf,
-a raised exception or a set `error` mark the sample FAILED with a one-line `reward_error` and the full
+A reward function takes a `Sample` and returns a `RewardResult(value, parts, error, correct, info)`, or just the
+value: a float, an int or a bool (as TRL-style rewards do; numpy scalars and 0-d tensors too). A bool scores
+1.0 / 0.0 with part `correct`. `sample.correct` is the result's `correct` when it says (True / False); else a
+`correct` part > 0.5 when there is one; else `value > 0`. A reward never writes to the sample: what it wants
+kept goes in `RewardResult.info`, merged into `sample.info` here (so it survives `reward.isolate` too). NaN /
+Inf, a raised exception or a set `error` mark the sample FAILED with a one-line `reward_error` and the full
 `reward_traceback`; it is counted in `reward/errors` and left out of the statistics and the update.
 
 Time limit (`reward.timeout_s`, default 20 s). In-process scoring (the default) arms a SIGALRM timer around each
@@ -128,16 +130,23 @@ def as_number(value: Any, what: str) -> float:
 def as_result(returned: Any) -> RewardResult:
     """What a reward function returned, as a checked RewardResult of finite floats.
 
-    RewardResult: checked (`error` set -> RewardFailure). bool: value 1.0 / 0.0, part `correct` the same.
-    int / float / numpy scalar: the value, no parts. Anything else: TypeError. Non-finite: ValueError."""
+    RewardResult: checked (`error` set -> RewardFailure; `correct` True / False / None, `info` a dict, else
+    TypeError), `correct` and `info` kept. bool: value 1.0 / 0.0, part `correct` the same. int / float / numpy
+    scalar: the value, no parts. Anything else: TypeError. Non-finite: ValueError."""
     if isinstance(returned, RewardResult):
         if returned.error is not None:
             raise RewardFailure(str(returned.error))
         if not isinstance(returned.parts, dict):
             raise TypeError(f"RewardResult.parts is {type(returned.parts).__name__}, expected a dict of numbers")
+        if not isinstance(returned.info, dict):
+            raise TypeError(f"RewardResult.info is {type(returned.info).__name__}, expected a dict")
+        correct = _unwrap_scalar(returned.correct)
+        if correct is not None and not isinstance(correct, bool):
+            raise TypeError(f"RewardResult.correct is {type(returned.correct).__name__}, expected True, False or None")
         value = as_number(returned.value, "reward value")
         parts = {str(name): as_number(part, f"reward part {name!r} =") for name, part in returned.parts.items()}
-        return RewardResult(value=value, parts=parts)
+        info = {str(k): v for k, v in returned.info.items()}
+        return RewardResult(value=value, parts=parts, correct=correct, info=info)
     scalar = _unwrap_scalar(returned)
     if isinstance(scalar, bool):
         return RewardResult(value=float(scalar), parts={"correct": float(scalar)})
@@ -182,18 +191,25 @@ def mark_failed(sample: Sample, exc: BaseException) -> None:
     sample.reward_traceback = traceback_text(exc)
 
 
+def decide_correct(result: RewardResult) -> bool:
+    """The result's `correct` when set; else its part `correct` > 0.5 when present; else `value > 0`."""
+    if result.correct is not None:
+        return bool(result.correct)
+    if "correct" in result.parts:
+        return float(result.parts["correct"]) > 0.5
+    return float(result.value) > 0
+
+
 def apply_result(sample: Sample, result: RewardResult) -> None:
-    """Set the sample's reward, parts and `correct` (part `correct` > 0.5 if present, else reward > 0)."""
+    """Set the sample's reward, parts, `correct` (`decide_correct`) and merge `result.info` into `sample.info`."""
     sample.reward = float(result.value)
     sample.reward_parts = {k: float(v) for k, v in result.parts.items()}
     episode = getattr(sample, "episode", None)
     if episode is not None:  # the environment's per-episode parts, for shaping (rollwise.envs.episode)
         sample.reward_parts.update({f"env/{k}": float(v) for k, v in episode.parts.items()})
     sample.reward_error, sample.reward_traceback = None, None
-    if "correct" in sample.reward_parts:
-        sample.correct = sample.reward_parts["correct"] > 0.5
-    else:
-        sample.correct = sample.reward > 0
+    sample.correct = decide_correct(result)
+    sample.info.update(result.info)
 
 
 def is_isolated(fn: Any) -> bool:
@@ -211,8 +227,7 @@ def score_batch(samples: list[Sample], fn: RewardFn, timeout_s: float | None = D
     """Score every sample (in the calling thread, or in `fn`'s worker processes); return those scored.
 
     An `IsolatedReward` with several workers scores samples in parallel; `timeout_s` holds per sample."""
-    failed_env = {i: EnvironmentFailure(s.episode.error) for i, s in enumerate(samples)
-                  if getattr(s, "episode", None) is not None and s.episode.error}
+    failed_env = {i: exc for i, exc in ((i, env_failure(s)) for i, s in enumerate(samples)) if exc is not None}
     todo = [s for i, s in enumerate(samples) if i not in failed_env]
     if is_isolated(fn):
         outcomes = fn.score_many(todo, timeout_s) if todo else []  # raises only when a worker cannot load the reward
@@ -228,6 +243,21 @@ def score_batch(samples: list[Sample], fn: RewardFn, timeout_s: float | None = D
         else:
             mark_failed(sample, outcome)
     return scored
+
+
+def env_failure(sample: Sample) -> EnvironmentFailure | None:
+    """Why the sample's episode cannot be scored: its environment raised, or gave a part that is NaN / Inf
+    (summed into `env/<part>` for shaping, it would reach the update); None when it can."""
+    episode = getattr(sample, "episode", None)
+    if episode is None:
+        return None
+    if episode.error:
+        return EnvironmentFailure(episode.error)
+    bad = sorted(k for k, v in episode.parts.items() if not math.isfinite(float(v)))
+    if bad:
+        return EnvironmentFailure(f"the environment's reward parts {bad} are not finite numbers "
+                                  f"({', '.join(f'{k}={episode.parts[k]!r}' for k in bad)})")
+    return None
 
 
 def _call_in_process(fn: RewardFn, sample: Sample, timeout_s: float | None) -> RewardResult | BaseException:
@@ -314,7 +344,8 @@ def get_reward_fn(name: str) -> RewardFn:
 
 
 def with_format_weight(fn: RewardFn, weight: float) -> RewardFn:
-    """`fn` plus `weight` x its `format` part (0 when absent, as for plain-number rewards)."""
+    """`fn` plus `weight` x its `format` part (0 when absent, as for plain-number rewards). Correctness is decided
+    on `fn`'s own result (`decide_correct`), before the bonus: a wrong answer in the right format stays wrong."""
 
     def with_format(sample: Sample) -> RewardResult:
         returned = fn(sample)
@@ -322,7 +353,8 @@ def with_format_weight(fn: RewardFn, weight: float) -> RewardFn:
             return returned
         result = as_result(returned)
         bonus = weight * result.parts.get("format", 0.0)
-        return RewardResult(value=result.value + bonus, parts=result.parts, error=None)
+        return RewardResult(value=result.value + bonus, parts=result.parts, error=None,
+                            correct=decide_correct(result), info=result.info)
 
     with_format.__name__ = f"{getattr(fn, '__name__', 'reward')}_with_format"
     return with_format

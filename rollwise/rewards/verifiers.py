@@ -1,8 +1,9 @@
 """Built-in verifiers, registered in `REWARDS`: `arith`, `letters`, `math`, `exact`.
 
 Each is `fn(sample) -> RewardResult` reading `sample.response_text` and `sample.prompt.answer`, with
-value 1.0 / 0.0, parts `correct` (1.0 / 0.0) and `format` (1.0 when an answer could be extracted),
-and sets `sample.correct`. A missing or unusable reference raises: `score_samples` counts that as an error.
+value 1.0 / 0.0, parts `correct` (1.0 / 0.0) and `format` (1.0 when an answer could be extracted), and
+`correct` True / False on the result (scoring sets `sample.correct` from it; a reward never writes to the
+sample). A missing or unusable reference raises: `score_samples` counts that as an error.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def reference(sample: Sample) -> str:
 
 
 def verdict(sample: Sample, correct: bool, found: bool) -> RewardResult:
-    """Mark `sample.correct` and build the 1.0 / 0.0 result."""
-    sample.correct = bool(correct)
+    """The 1.0 / 0.0 result with `correct` set (the sample is left as it is; scoring applies the result)."""
     value = 1.0 if correct else 0.0
-    return RewardResult(value=value, parts={"correct": value, "format": 1.0 if found else 0.0})
+    return RewardResult(value=value, parts={"correct": value, "format": 1.0 if found else 0.0},
+                        correct=bool(correct))
 
 
 def integer_reward(sample: Sample) -> RewardResult:

@@ -6,9 +6,12 @@
 Backends (`backend=` or the environment variable `ROLLWISE_SANDBOX`: "auto" (default), "bwrap", "rlimits"):
 - `bwrap`: bubblewrap with minimal read-only binds, every namespace new, a private tmpfs work dir (see
   `rollwise.sandbox.bwrap`); as root, under an unprivileged uid per concurrent slot (`rollwise.sandbox.slots`).
-- `rlimits`, the fallback when bubblewrap is missing or not permitted: the same rlimits and, as root, the same
-  pool uid and a fresh 0700 temp work dir; network and the file system stay visible (ONE loud warning says so).
-  Not root and no bubblewrap: rlimits only.
+- `rlimits`: the same rlimits and, as root, the same pool uid and a fresh 0700 temp work dir; network and the
+  file system stay visible (ONE loud warning says so). Not root: rlimits only, as the caller's own user.
+  Asked for by name (`backend="rlimits"`, `ROLLWISE_SANDBOX=rlimits`), or as the fallback of "auto" when
+  bubblewrap is missing or cannot start; that fallback runs code unconfined, so it is REFUSED (`SandboxError`)
+  unless the user opted in: `sandbox.allow_unconfined = true` in a run's config, which sets
+  `ROLLWISE_SANDBOX_UNCONFINED=allow` for this process and the reward workers it starts (`allow_unconfined`).
 Inside, a small wrapper (`rollwise.sandbox.inner`) writes `files` and the code (`main.py`) into the work dir,
 applies CPU / address-space / process / file-size / open-file rlimits (core dumps off) and runs the code with
 the SYSTEM Python (`/usr/bin/python3 -E -s`): the pool uid must be able to read the interpreter, and a venv
@@ -40,12 +43,13 @@ from typing import Sequence
 
 from rollwise.sandbox import bwrap as bw
 from rollwise.sandbox.process import kill_tree, read_status, watch
-from rollwise.sandbox.slots import uid_slot
+from rollwise.sandbox.slots import SlotDirError, uid_slot
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 DEFAULT_ARGV_PYTHON = (SYSTEM_PYTHON, "-E", "-s")
 BACKENDS = ("auto", "bwrap", "rlimits")
 ENV_BACKEND = "ROLLWISE_SANDBOX"
+ENV_UNCONFINED = "ROLLWISE_SANDBOX_UNCONFINED"  # "allow": "auto" may fall back to rlimits (opt-in)
 OWN_PROCESSES = 3  # the sandbox's own processes under the code's uid (bwrap, its pid 1, the wrapper)
 SLOT_WAIT_S = 300.0
 MEMORY_NEAR_LIMIT = 0.9  # a signal death with peak RSS over this share of memory_mb counts as "memory"
@@ -126,8 +130,62 @@ def fallback_warning(reason: str, root: bool) -> str:
             f"Install bubblewrap (`make setup` as root does) for containment.")
 
 
+_opted_in_by_config = False
+
+
+def allow_unconfined(allowed: bool) -> None:
+    """Apply a run's `sandbox.allow_unconfined`: set `ROLLWISE_SANDBOX_UNCONFINED=allow` for this process and
+    the processes it starts (reward workers inherit the environment). False withdraws only an opt-in an earlier
+    run in this process made; the user's own environment variable stays an opt-in."""
+    global _opted_in_by_config
+    if allowed and not unconfined_allowed():
+        os.environ[ENV_UNCONFINED] = "allow"
+        _opted_in_by_config = True
+    elif not allowed and _opted_in_by_config:
+        os.environ.pop(ENV_UNCONFINED, None)
+        _opted_in_by_config = False
+
+
+def unconfined_allowed() -> bool:
+    return os.environ.get(ENV_UNCONFINED, "").strip().lower() in ("allow", "1", "true", "yes")
+
+
+def refuse_unconfined(reason: str) -> SandboxError:
+    """The error of an "auto" sandbox that would run code unconfined without the user's opt-in."""
+    return SandboxError(f"rollwise sandbox: {reason}, so code would run unconfined (network and files visible); "
+                        "install bubblewrap (apt-get install bubblewrap, or `make setup` as root), or opt in with "
+                        f"sandbox.allow_unconfined = true (environment: {ENV_UNCONFINED}=allow)")
+
+
+def fallback(reason: str, root: bool) -> str:
+    """'rlimits' for an "auto" sandbox without usable bubblewrap, with one loud warning, when the user opted in;
+    SandboxError otherwise."""
+    if not unconfined_allowed():
+        raise refuse_unconfined(reason)
+    warn_once(reason, fallback_warning(reason, root))
+    return "rlimits"
+
+
+def containment_problem(python: str = SYSTEM_PYTHON) -> str | None:
+    """Why bubblewrap cannot contain code here (not installed, or cannot start), or None when it can. Starts
+    bubblewrap once (cached) as the caller; `rollwise train --dry-run` asks before any code runs."""
+    binary = bw.bwrap_path()
+    if binary is None:
+        return "bubblewrap (bwrap) is not installed"
+    if os.geteuid() == 0:  # code runs under a pool uid: probe as one
+        try:
+            with uid_slot(SLOT_WAIT_S) as uid:
+                reason = bw.probe(binary, python, uid)
+        except (TimeoutError, SlotDirError) as exc:
+            return str(exc)
+    else:
+        reason = bw.probe(binary, python, None)
+    return None if reason is None else f"bubblewrap is installed but cannot start ({reason})"
+
+
 def choose_backend(requested: str | None) -> str:
-    """'bwrap' or 'rlimits' for the requested backend (argument, else $ROLLWISE_SANDBOX, else 'auto')."""
+    """'bwrap', 'rlimits' or 'auto' (bwrap once its probe passes) for the requested backend (argument, else
+    $ROLLWISE_SANDBOX, else 'auto'); SandboxError when "auto" would run code unconfined without the opt-in."""
     name = requested or os.environ.get(ENV_BACKEND, "auto")
     if name not in BACKENDS:
         raise ValueError(f"sandbox backend {name!r} (argument or ${ENV_BACKEND}) is not one of {', '.join(BACKENDS)}")
@@ -138,8 +196,7 @@ def choose_backend(requested: str | None) -> str:
         if name == "bwrap":
             raise SandboxError("sandbox backend 'bwrap' was asked for but bubblewrap is not installed "
                                "(apt-get install bubblewrap, or `make setup` as root)")
-        warn_once("missing", fallback_warning("bubblewrap (bwrap) is not installed", os.geteuid() == 0))
-        return "rlimits"
+        return fallback("bubblewrap (bwrap) is not installed", os.geteuid() == 0)
     return "bwrap" if name == "bwrap" else "auto"
 
 
@@ -194,7 +251,7 @@ def run(code: str, files: dict[str, str | bytes] | None = None, stdin: str = "",
     try:
         with uid_slot(SLOT_WAIT_S) as uid:
             return _run_as(mode, uid, job, stdin, limits)
-    except TimeoutError as exc:
+    except (TimeoutError, SlotDirError) as exc:
         raise SandboxError(str(exc)) from None
 
 
@@ -204,9 +261,8 @@ def _run_as(mode: str, uid: int | None, job: dict, stdin: str, limits: Limits) -
         reason = bw.probe(bw.bwrap_path(), job["argv"][0], uid)
         if reason is not None and mode == "bwrap":
             raise SandboxError(f"bubblewrap cannot start here ({reason}); use backend 'rlimits' to run uncontained")
-        if reason is not None:
-            warn_once("probe", fallback_warning(f"bubblewrap is installed but cannot start ({reason})", uid is not None))
-        mode = "rlimits" if reason is not None else "bwrap"
+        mode = fallback(f"bubblewrap is installed but cannot start ({reason})", uid is not None) \
+            if reason is not None else "bwrap"
     if mode == "bwrap":
         nproc = limits.max_processes + OWN_PROCESSES  # counted inside the sandbox's own user namespace
     elif uid is not None:

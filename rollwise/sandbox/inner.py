@@ -47,6 +47,17 @@ def apply_limits(limits):
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
 
 
+def not_dumpable():
+    """PR_SET_DUMPABLE 0 (Linux): processes of the same uid can no longer ptrace this one or open its
+    /proc/PID/mem. The forked child inherits it until its exec, which makes the code dumpable again."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    except Exception:
+        pass
+
+
 def report(status_fd, record):
     try:
         os.write(status_fd, (json.dumps(record) + "\n").encode())
@@ -64,6 +75,7 @@ def main():
         report(status_fd, {"error": "%s: %s" % (type(exc).__name__, exc)})
         os._exit(125)
     report(status_fd, {"started": True})
+    not_dumpable()  # the code runs as this uid: it must not read or write this process (its status report)
     child = os.fork()
     if child == 0:
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -32,10 +33,26 @@ def num_slots() -> int:
     return max(1, int(os.environ.get("ROLLWISE_SANDBOX_SLOTS", DEFAULT_SLOTS)))
 
 
+class SlotDirError(RuntimeError):
+    """The lock directory exists but is not this user's private directory (another user made it first)."""
+
+
 def lock_dir() -> str:
-    """Root-owned and 0700, so that code run under a pool uid (fallback mode sees /tmp) cannot hold a slot."""
+    """`$TMPDIR/rollwise-sandbox-slots-<uid>`, created 0700; SlotDirError when it already exists and is not a
+    directory of this user that only this user can enter. Otherwise another local user who created it first could
+    hold every slot's lock (no sandbox would start) or watch which uid runs which code; code run under a pool uid
+    (the fallback sees /tmp) must not be able to take a slot either."""
     path = os.path.join(tempfile.gettempdir(), f"rollwise-sandbox-slots-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a directory"
+        raise SlotDirError(f"sandbox lock directory {path} is {kind} owned by uid {info.st_uid} with mode "
+                           f"{stat.S_IMODE(info.st_mode):o}; it must be this user's (uid {os.getuid()}) with mode 700: "
+                           "remove it (another user may have made it), or point TMPDIR elsewhere")
     return path
 
 
@@ -48,7 +65,8 @@ def uid_slot(wait_s: float) -> Iterator[int]:
     while True:
         for i in range(slots):
             slot = (start + i) % slots
-            fd = os.open(os.path.join(directory, f"slot-{slot}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(os.path.join(directory, f"slot-{slot}.lock"), flags, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

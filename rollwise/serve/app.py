@@ -12,10 +12,16 @@ Routes (every one under /v1 needs `Authorization: Bearer <token>`; /health does 
 | GET  /v1/episodes                  | the jobs kept (id, env, status)                                        |
 | GET  /v1/episodes/{id}             | its status and, when done, the trajectories                            |
 | POST /v1/episodes/{id}/cancel      | cancel it                                                              |
-| POST /v1/weights                   | load new policy weights (safetensors body, or a folder path) + version |
+| POST /v1/weights                   | load new policy weights (safetensors body, or a path under weights_root) |
 
 Errors are OpenAI's `{"error": {"message", "type", "code"}}` with a one-line message: 400 for a bad request,
-401 for a missing or wrong token, 404 for an unknown job, 503 when the queue is full; never a traceback.
+401 for a missing or wrong token, 404 for an unknown job, 413 for a body or a prompt list over its limit
+(`serve.max_body_mb`, `serve.max_weights_mb`, `serve.max_prompts_per_request`), 429 when
+`serve.max_weight_uploads` uploads are already in progress, 503 when the queue is full or the engine thread
+died (then `/health` answers 503 with `status: "dead"` and why); never a traceback.
+
+A completion whose client disconnects while it waits is dropped from the queue, or its engine requests are
+aborted if it runs (checked every `DISCONNECT_POLL_S`); the server goes on with the other requests.
 """
 
 from __future__ import annotations
@@ -24,20 +30,22 @@ import asyncio
 import secrets
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from rollwise.config import EnvConfig
+from rollwise.config import EnvConfig, ServeConfig
 from rollwise.errors import one_line
-from rollwise.serve.jobs import EpisodeJob, QueueFull, ServerStopped, Worker
+from rollwise.serve.jobs import Completion, EpisodeJob, QueueFull, ServerStopped, Worker
 from rollwise.serve.protocol import (MAX_N, BadRequest, Limits, chat_messages, chat_response, check_common,
-                                     check_ids, check_length, completion_prompts, completion_response,
-                                     engine_requests, sampling_from)
+                                     check_ids, check_length, check_prompt_count, completion_prompts,
+                                     completion_response, engine_requests, parse_json, read_body, sampling_from)
+from rollwise.serve.weights import read_weights
 from rollwise.types import Prompt
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting completion checks that its client is still connected
 
 
 class HTTPError(Exception):
@@ -48,16 +56,19 @@ class HTTPError(Exception):
 
 @dataclass
 class Service:
-    """What the routes need: the worker (which owns the engine), the tokenizer, the token and the limits."""
+    """What the routes need: the worker (which owns the engine), the tokenizer, the token and the limits
+    (`serve_cfg`: body sizes, prompts per request, weight uploads, the weights root)."""
 
     worker: Worker
     tokenizer: object
     model_name: str
-    api_key: str
+    api_key: str = field(repr=False)
     limits: Limits
     env_cfg: EnvConfig = field(default_factory=EnvConfig)
     system_prompt: str | None = None
     episode_max_tokens: int = 64  # per assistant turn, when a job does not say (rollout.max_new_tokens)
+    serve_cfg: ServeConfig = field(default_factory=ServeConfig)
+    weight_uploads: int = 0  # in progress now (changed on the event loop only)
     _envs: dict = field(default_factory=dict)
     _codec: object = None
 
@@ -122,14 +133,15 @@ def create_app(service: Service) -> FastAPI:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), service.api_key.encode()):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <token>' with the token "
-                                 "`rollwise serve` printed (or serve.api_key)", "authentication_error")
+                                 "`rollwise serve` printed (or serve.api_key, $ROLLWISE_SERVE_API_KEY)",
+                           "authentication_error")
 
     async def body_of(request: Request) -> dict:
         authorize(request)
         try:
-            body = await request.json()
-        except ValueError:
-            raise HTTPError(400, "the request body is not JSON") from None
+            body = parse_json(await read_body(request, service.serve_cfg.max_body_mb, "max_body_mb"))
+        except BadRequest as exc:
+            raise HTTPError(exc.status, str(exc)) from None
         if not isinstance(body, dict):
             raise HTTPError(400, "the request body must be a JSON object")
         return body
@@ -139,26 +151,49 @@ def create_app(service: Service) -> FastAPI:
         try:
             return await asyncio.wrap_future(future)
         except BadRequest as exc:
-            raise HTTPError(400, str(exc)) from None
+            raise HTTPError(exc.status, str(exc)) from None
         except ServerStopped as exc:
             raise HTTPError(503, str(exc), "server_error") from None
         except Exception as exc:  # the engine failed: one line, no traceback
             raise HTTPError(500, f"engine error: {type(exc).__name__}: {one_line(str(exc))}", "server_error") \
                 from None
 
+    async def complete(request: Request, work: Completion):
+        """`work`'s result; if the client disconnects (or this handler is cancelled) first, the worker drops or
+        aborts `work` and nobody is answered."""
+        waiter = asyncio.wrap_future(work.future)
+        try:
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+                if not waiter.done() and await request.is_disconnected():
+                    service.worker.abandon(work)
+                    waiter.cancel()
+                    raise HTTPError(499, "the client closed the request")
+        except asyncio.CancelledError:
+            service.worker.abandon(work)
+            raise
+        return await run(waiter)
+
     def submit(fn, *args):
         try:
             return fn(*args)
         except BadRequest as exc:
-            raise HTTPError(400, str(exc)) from None
+            raise HTTPError(exc.status, str(exc)) from None
         except (QueueFull, ServerStopped) as exc:
             raise HTTPError(503, str(exc), "server_error") from None
 
     @app.get("/health")
     async def health():
         w = service.worker
-        return {"status": "ok", "model": service.model_name, "policy_version": w.version, "queued": w.queued(),
-                "running_job": w.running.id if w.running is not None else None}
+        out = {"status": "ok", "model": service.model_name, "policy_version": w.version, "queued": w.queued(),
+               "running_job": w.running.id if w.running is not None else None}
+        failure = w.failure()
+        if failure is not None:
+            out["status"] = "dead"
+            out["error"] = {"message": f"the engine thread died: {failure}; restart `rollwise serve`",
+                            "type": "server_error", "code": 503}
+            return JSONResponse(out, status_code=503)
+        return out
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -175,14 +210,15 @@ def create_app(service: Service) -> FastAPI:
             params = sampling_from(body)
             if "prompt" not in body:
                 raise BadRequest("prompt is required (text or a list of token ids)")
-            prompts = completion_prompts(body["prompt"], tokenizer, service.limits)
+            prompts = completion_prompts(body["prompt"], tokenizer, service.limits,
+                                         service.serve_cfg.max_prompts_per_request)
             for i, p in enumerate(prompts):
                 what = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 check_length(p, params.max_new_tokens, service.limits, what)
         except BadRequest as exc:
-            raise HTTPError(400, str(exc)) from None
-        future = submit(service.worker.submit_completion, engine_requests(prompts, n, params))
-        results, version = await run(future)
+            raise HTTPError(exc.status, str(exc)) from None
+        work = submit(service.worker.submit_completion, engine_requests(prompts, n, params))
+        results, version = await complete(request, work)
         return completion_response(results, prompts, version, service.model_name, tokenizer)
 
     @app.post("/v1/chat/completions")
@@ -197,8 +233,9 @@ def create_app(service: Service) -> FastAPI:
             ids = encode_prompt(Prompt("chat", messages), service.tokenizer, None)
             check_length(ids, params.max_new_tokens, service.limits)
         except BadRequest as exc:
-            raise HTTPError(400, str(exc)) from None
-        results, version = await run(submit(service.worker.submit_completion, engine_requests([ids], n, params)))
+            raise HTTPError(exc.status, str(exc)) from None
+        work = submit(service.worker.submit_completion, engine_requests([ids], n, params))
+        results, version = await complete(request, work)
         return chat_response(results, ids, version, service.model_name, service.tokenizer)
 
     @app.post("/v1/episodes", status_code=202)
@@ -236,11 +273,19 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/weights")
     async def weights(request: Request):
         authorize(request)
+        limit = service.serve_cfg.max_weight_uploads
+        if service.weight_uploads >= limit:
+            raise HTTPError(429, f"serve.max_weight_uploads = {limit} weight upload(s) are in progress; retry "
+                                 "when they end", "rate_limit_error")
+        service.weight_uploads += 1
         try:
-            state, version = await read_weights(request, service)
-        except BadRequest as exc:
-            raise HTTPError(400, str(exc)) from None
-        loaded = await run(service.worker.push_weights(state, version))
+            try:
+                state, version = await read_weights(request, service)
+            except BadRequest as exc:
+                raise HTTPError(exc.status, str(exc)) from None
+            loaded = await run(service.worker.push_weights(state, version))
+        finally:
+            service.weight_uploads -= 1
         return {"policy_version": loaded, "tensors": len(state)}
 
     return app
@@ -257,6 +302,7 @@ def episode_job(body: dict, service: Service) -> EpisodeJob:
     prompts = body.get("prompts")
     if not isinstance(prompts, list) or not prompts:
         raise BadRequest("prompts must be a non-empty list of {messages | prompt, answer}")
+    check_prompt_count(len(prompts), service.serve_cfg.max_prompts_per_request, "prompts")
     per_prompt = body.get("samples_per_prompt", 1)
     if isinstance(per_prompt, bool) or not isinstance(per_prompt, int) or not 1 <= per_prompt <= MAX_N:
         raise BadRequest(f"samples_per_prompt must be an integer in 1..{MAX_N}, got {per_prompt!r}")
@@ -299,75 +345,6 @@ def episode_prompt(row, i: int) -> Prompt:
         raise BadRequest(f"prompts[{i}].info must be an object")
     return Prompt(str(row.get("uid") or f"request-{i}"), messages, None if answer is None else str(answer),
                   source=f"request prompts[{i}]", info=info)
-
-
-async def read_weights(request: Request, service: Service) -> tuple[dict, int]:
-    """(state dict, version) of `POST /v1/weights`: a safetensors body with `?version=N`, or JSON
-    `{"path": file or folder of *.safetensors on this machine, "version": N}`; names and shapes checked."""
-    if request.headers.get("content-type", "").startswith("application/json"):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise BadRequest("the request body is not JSON") from None
-        version, path = body.get("version"), body.get("path")
-        if not isinstance(path, str) or not path:
-            raise BadRequest("path must name a safetensors file or a folder of them on the server's file system")
-        state = await asyncio.to_thread(_load_path, Path(path))
-    else:
-        raw = request.query_params.get("version", request.headers.get("x-policy-version"))
-        try:
-            version = int(raw) if raw is not None else None
-        except ValueError:
-            raise BadRequest(f"version must be an integer, got {raw!r}") from None
-        data = await request.body()
-        if not data:
-            raise BadRequest("the body is empty: send the weights as safetensors bytes")
-        state = await asyncio.to_thread(_load_bytes, data)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise BadRequest(f"version must be an integer >= 0 (?version=N or JSON 'version'), got {version!r}")
-    check_state(state, service.worker.engine)
-    return state, version
-
-
-def _load_bytes(data: bytes) -> dict:
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except Exception as exc:
-        raise BadRequest(f"the body is not a safetensors file: {one_line(str(exc))}") from None
-
-
-def _load_path(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files or not files[0].is_file():
-        raise BadRequest(f"{path}: no safetensors file there (the server reads its own file system)")
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as exc:
-            raise BadRequest(f"{f}: not a safetensors file: {one_line(str(exc))}") from None
-    return state
-
-
-def check_state(state: dict, engine) -> None:
-    """Every tensor names a parameter of the engine's model with its shape (when the engine holds a model)."""
-    if not state:
-        raise BadRequest("the weights hold no tensor")
-    model = getattr(engine, "model", None)
-    if model is None or not hasattr(model, "state_dict"):
-        return
-    own = model.state_dict()
-    unknown = [k for k in state if k not in own]
-    if unknown:
-        raise BadRequest(f"{len(unknown)} tensor names are not parameters of the served model, e.g. {unknown[0]!r}")
-    wrong = [k for k, t in state.items() if tuple(t.shape) != tuple(own[k].shape)]
-    if wrong:
-        k = wrong[0]
-        raise BadRequest(f"tensor {k!r} has shape {tuple(state[k].shape)}, the served model's is {tuple(own[k].shape)}")
 
 
 class RunningServer:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from rollwise.generate.http_engine import ServerEngineError
 from rollwise.generate.torch_engine import EngineStats
 from rollwise.rollout import FINAL, GenerateStats, JobResult, is_complete, merge_result
 from rollwise.types import GenerationResult, Group, Sample, SamplingParams, Status, ToolCall
@@ -27,8 +28,12 @@ from rollwise.types import GenerationResult, Group, Sample, SamplingParams, Stat
 _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
-class ServiceError(RuntimeError):
-    """The rollout service failed or refused a call; one line naming the URL and what to do."""
+KEY_ENV = "ROLLWISE_API_KEY"
+
+
+class ServiceError(ServerEngineError):
+    """The rollout service failed or refused a call; one line naming the URL and what to do (a user error:
+    `rollwise train` ends with that line and exit code 2)."""
 
 
 class ServiceRollouts:
@@ -36,7 +41,7 @@ class ServiceRollouts:
 
     Args:
         url: the server, e.g. `http://10.0.0.2:8765` (`rollout.service_url`).
-        api_key: its Bearer token (`rollout.service_api_key`, else $ROLLWISE_API_KEY).
+        api_key: its Bearer token (`rollout.service_api_key`, else $ROLLWISE_API_KEY; one of them is needed).
         tokenizer: the run's (text of continued responses).
         timeout_s: one HTTP call at most (`rollout.request_timeout_s`); an episode job in all.
         env: environment name for episode jobs (None = single-turn completions).
@@ -58,7 +63,11 @@ class ServiceRollouts:
         self.poll_s = poll_s
         self.stats = EngineStats()
         self.version: int | None = None  # the server's policy version, from its last answer
-        key = api_key or os.environ.get("ROLLWISE_API_KEY", "")
+        key = api_key or os.environ.get(KEY_ENV, "")
+        if not key:
+            raise ServiceError(f"rollout.source = 'service' needs the token of the server at {self.url}: set "
+                               f"${KEY_ENV} (config.toml never holds it, so a resumed run needs it again) or pass "
+                               "rollout.service_api_key=...")
         self._client = httpx.Client(base_url=self.url, timeout=self.timeout_s,
                                     headers={"Authorization": f"Bearer {key}"},
                                     limits=httpx.Limits(max_connections=max_concurrency))
@@ -219,6 +228,7 @@ def merge_episode(sample: Sample, record: dict) -> None:
     """A server episode record into its sample: tokens, mask, log-probs, spans, turns, tool calls and the
     episode's state (rebuilt as `EpisodeState`, without the env's own state, which stays on the server)."""
     from rollwise.envs.episode import EpisodeState
+    from rollwise.metrics.sinks import restore_value
 
     if record["prompt_ids"] != sample.prompt_ids:
         raise ServiceError(f"episode of prompt {sample.prompt.uid!r}: the server's prompt ids differ from the run's")
@@ -234,7 +244,8 @@ def merge_episode(sample: Sample, record: dict) -> None:
     timing = record.get("timing", {})
     sample.episode = EpisodeState(
         env_state=None, messages=list(record["transcript"]), turn_start=len(sample.response_ids),
-        assistant_turns=record.get("assistant_turns", 0), parts=dict(record.get("reward_parts", {})),
+        assistant_turns=record.get("assistant_turns", 0),
+        parts={k: restore_value(v) for k, v in record.get("reward_parts", {}).items()},
         parse_failures=record.get("parse_failures", 0), tool_s=timing.get("tool_s", 0.0),
         sandbox_s=timing.get("sandbox_s", 0.0), env_s=timing.get("env_s", 0.0), ended_by=record.get("ended_by", ""),
         final_text=record["final"], retokenize_mismatch=record.get("retokenize_mismatch"), error=record.get("error"))
@@ -257,11 +268,12 @@ def _jsonable(info: dict) -> dict:
 def service_rollouts(run) -> ServiceRollouts:
     """The run's ServiceRollouts from `[rollout]` (service_url, service_api_key, request_timeout_s) and its
     environment (`run.episodes`, set when the run's samples are episodes)."""
+    from rollwise.config import secret_value
     from rollwise.envs import env_name
 
     cfg = run.cfg
     episodes = getattr(run, "episodes", None)
     env = env_name(cfg.env, getattr(run.source, "default_env", None)) if episodes is not None else None
     max_tokens = getattr(episodes, "max_episode_tokens", cfg.env.max_episode_tokens)
-    return ServiceRollouts(cfg.rollout.service_url, cfg.rollout.service_api_key, run.tokenizer,
+    return ServiceRollouts(cfg.rollout.service_url, secret_value(cfg.rollout.service_api_key), run.tokenizer,
                            timeout_s=cfg.rollout.request_timeout_s, env=env, max_episode_tokens=max_tokens)

@@ -13,6 +13,12 @@ for a future (completions, weights) or poll a job (episodes):
 
 At most `max_queued` completions and jobs wait; one more raises `QueueFull` (HTTP 503). Weight updates are
 never refused.
+
+Nothing on the queue can stop the worker: a future whose waiter is gone (the HTTP handler was cancelled, the
+client disconnected) is skipped or left alone, and an exception while running one item fails that item only.
+Only a failure below `Exception` (`BaseException`: the interpreter is being torn down, a C extension raised
+`SystemExit`) ends the thread; then `dead` holds its one-line reason, every queued and later request fails with
+`WorkerDead`, and `/health` answers 503.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
@@ -38,16 +44,34 @@ class ServerStopped(RuntimeError):
     """The worker stopped before this work ran."""
 
 
-@dataclass
+class WorkerDead(ServerStopped):
+    """The engine thread died (see `Worker.dead`); the server answers 503 until it is restarted."""
+
+
+def resolve(future: Future, result=None, error: BaseException | None = None) -> bool:
+    """Set `future`'s result (or `error`) unless it is already done or cancelled: its waiter may be gone (an
+    HTTP handler cancelled, a client that disconnected). Returns whether the value was set."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
+
+
+@dataclass(eq=False)
 class Completion:
     """One HTTP completion request: its engine requests (ids assigned by the worker) and the future the handler
     awaits, resolved to `(results in request order, policy version)`."""
 
     requests: list[GenerationRequest]
     future: Future = field(default_factory=Future)
+    started: bool = False  # the worker assigned its request ids and runs it (set under the worker's lock)
 
 
-@dataclass
+@dataclass(eq=False)
 class WeightUpdate:
     """New policy weights (parameter name -> tensor) to load as `version` between batches."""
 
@@ -56,7 +80,7 @@ class WeightUpdate:
     future: Future = field(default_factory=Future)
 
 
-@dataclass
+@dataclass(eq=False)
 class EpisodeJob:
     """A batch of episodes: `groups` (one per prompt) run in `env`; `status` queued|running|done|failed|cancelled.
 
@@ -143,13 +167,16 @@ class Worker:
         self.max_batch_requests = max_batch_requests
         self.jobs: dict[str, EpisodeJob] = {}
         self.running: EpisodeJob | None = None
-        self.counters = {"completions": 0, "episode_jobs": 0, "generate_calls": 0, "weight_updates": 0}
+        self.counters = {"completions": 0, "episode_jobs": 0, "generate_calls": 0, "weight_updates": 0,
+                         "abandoned": 0, "failed_items": 0}
         self._queue: deque = deque()
         self._cond = threading.Condition()
         self._ids = count()
         self._closing = False
         self._inflight_ids: list[int] = []
-        self._thread = threading.Thread(target=self._loop, name="rollwise-serve-engine", daemon=True)
+        self.dead: str | None = None  # why the engine thread died (one line); None while it runs
+        self._running_items: list = []  # what the engine thread runs now (failed too if the thread dies)
+        self._thread = threading.Thread(target=self._main, name="rollwise-serve-engine", daemon=True)
         self._thread.start()
 
     # -- what handlers call (any thread) --------------------------------------------------------------------
@@ -157,15 +184,38 @@ class Worker:
     def version(self) -> int:
         return self.engine.version
 
+    def failure(self) -> str | None:
+        """Why the engine thread is not running (one line), or None while it runs (and after `close`)."""
+        if self.dead is not None:
+            return self.dead
+        if not self._thread.is_alive() and not self._closing:
+            return "the engine thread ended"
+        return None
+
     def queued(self) -> int:
         with self._cond:
             return sum(not isinstance(item, WeightUpdate) for item in self._queue)
 
-    def submit_completion(self, requests: list[GenerationRequest]) -> Future:
-        """Queue one HTTP request's engine requests (their ids are replaced); QueueFull when the queue is full."""
+    def submit_completion(self, requests: list[GenerationRequest]) -> Completion:
+        """Queue one HTTP request's engine requests (their ids are replaced); QueueFull when the queue is full.
+        The handler awaits `.future` and calls `abandon` with it when its client goes away."""
         work = Completion(list(requests))
         self._put(work, counted=True)
-        return work.future
+        return work
+
+    def abandon(self, work: Completion) -> None:
+        """The client of `work` went away: a queued completion is dropped, a running one's engine requests are
+        aborted (they end with the tokens so far, and the batch's other requests go on)."""
+        with self._cond:
+            if work.future.done():
+                return
+            self.counters["abandoned"] += 1
+            if not work.started:
+                self._queue = deque(item for item in self._queue if item is not work)
+                work.future.cancel()
+                return
+            ids = [r.request_id for r in work.requests]
+        self.engine.abort(ids)
 
     def submit_job(self, job: EpisodeJob) -> EpisodeJob:
         self._put(job, counted=True)
@@ -225,6 +275,8 @@ class Worker:
     # -- the engine thread ------------------------------------------------------------------------------------
     def _put(self, work, counted: bool) -> None:
         with self._cond:
+            if self.dead is not None:
+                raise WorkerDead(f"the engine thread died ({self.dead}); restart `rollwise serve`")
             if self._closing:
                 raise ServerStopped("the server is stopping")
             if counted and sum(not isinstance(i, WeightUpdate) for i in self._queue) >= self.max_queued:
@@ -232,6 +284,19 @@ class Worker:
                                 "retry later or raise the limit")
             self._queue.append(work)
             self._cond.notify()
+
+    def _main(self) -> None:
+        """The thread: the loop, and if it dies, why (`dead`), with every waiting item failed."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded: /health and every request say why
+            reason = f"{type(exc).__name__}: {one_line(str(exc))}"
+            with self._cond:
+                self.dead = reason
+                pending, self._queue = list(self._queue), deque()
+                running = self._running_items
+            for item in running + pending:
+                self._fail(item, WorkerDead(f"the engine thread died ({reason}); restart `rollwise serve`"))
 
     def _loop(self) -> None:
         while True:
@@ -241,18 +306,43 @@ class Worker:
                     self._expire()
                 if self._closing:
                     return
-                head = self._queue.popleft()
-                batch = [head]
-                if isinstance(head, Completion):
-                    batch += self._take_batch(head)
-                elif isinstance(head, EpisodeJob):
-                    head.status, head.started_at, self.running = "running", time.time(), head
-            if isinstance(head, Completion):
-                self._run_completions(batch)
-            elif isinstance(head, WeightUpdate):
-                self._run_weights(head)
-            else:
-                self._run_job(head)
+                batch = self._next_batch()
+                self._running_items = batch
+            if not batch:
+                continue
+            try:
+                self._run(batch)
+            except Exception as exc:  # a bug or an engine failure outside the engine call: these items only
+                self.counters["failed_items"] += len(batch)
+                for item in batch:
+                    self._fail(item, exc)
+            with self._cond:
+                self._running_items = []
+
+    def _next_batch(self) -> list:
+        """The next item(s) to run, taken off the queue (lock held); items whose waiter is gone are skipped."""
+        head = self._queue.popleft()
+        if isinstance(head, EpisodeJob):
+            head.status, head.started_at, self.running = "running", time.time(), head
+            return [head]
+        batch = [head] + (self._take_batch(head) if isinstance(head, Completion) else [])
+        # RUNNING futures cannot be cancelled any more; a cancelled one (its handler is gone) is dropped
+        batch = [item for item in batch if item.future.set_running_or_notify_cancel()]
+        for work in batch:
+            if isinstance(work, Completion):  # ids now, so `abandon` can abort it from here on
+                for req in work.requests:
+                    req.request_id = next(self._ids)
+                work.started = True
+        return batch
+
+    def _run(self, batch: list) -> None:
+        head = batch[0]
+        if isinstance(head, Completion):
+            self._run_completions(batch)
+        elif isinstance(head, WeightUpdate):
+            self._run_weights(head)
+        else:
+            self._run_job(head)
 
     def _take_batch(self, head: Completion) -> list[Completion]:
         """The completions queued right after `head` that can share its generate call (lock held)."""
@@ -270,11 +360,7 @@ class Worker:
         return taken
 
     def _run_completions(self, batch: list[Completion]) -> None:
-        requests = []
-        for work in batch:
-            for req in work.requests:
-                req.request_id = next(self._ids)
-                requests.append(req)
+        requests = [req for work in batch for req in work.requests]
         with self._cond:
             self._inflight_ids = [r.request_id for r in requests]
         try:
@@ -288,17 +374,23 @@ class Worker:
                 self._inflight_ids = []
         self.counters["generate_calls"] += 1
         self.counters["completions"] += len(batch)
+        version = self.engine.version
         for work in batch:
-            work.future.set_result(([results[r.request_id] for r in work.requests], self.engine.version))
+            missing = [r.request_id for r in work.requests if r.request_id not in results]
+            if missing:
+                self._fail(work, RuntimeError(f"the engine returned no result for {len(missing)} of this "
+                                              f"request's {len(work.requests)} sequences"))
+                continue
+            resolve(work.future, ([results[r.request_id] for r in work.requests], version))
 
     def _run_weights(self, work: WeightUpdate) -> None:
         try:
             self.engine.update_weights(work.state, work.version)
         except Exception as exc:
-            work.future.set_exception(exc)
+            resolve(work.future, error=exc)
             return
         self.counters["weight_updates"] += 1
-        work.future.set_result(self.engine.version)
+        resolve(work.future, self.engine.version)
 
     def _run_job(self, job: EpisodeJob) -> None:
         from rollwise.envs.episode import run_episodes
@@ -337,16 +429,21 @@ class Worker:
     def _fail(self, item, exc: BaseException) -> None:
         if isinstance(item, EpisodeJob):
             with self._cond:
-                item.error = f"{type(exc).__name__}: {one_line(str(exc))}"
-                self._finish(item, "failed")
-        elif not item.future.done():
-            item.future.set_exception(exc)
+                if item.status in ("queued", "running"):
+                    item.error = f"{type(exc).__name__}: {one_line(str(exc))}"
+                    self._finish(item, "failed")
+        else:
+            resolve(item.future, error=exc)
 
 
 def episode_record(sample, job: EpisodeJob) -> dict:
     """One finished episode as JSON: tokens (prompt and response), loss mask, behaviour and untruncated log-probs,
-    version spans, turns, tool calls, transcript, the env's reward parts, how it ended, and timing."""
+    version spans, turns, tool calls, transcript, the env's reward parts, how it ended, and timing.
+
+    A non-finite reward part is written as `"nan"`, `"inf"` or `"-inf"` (as in metrics.jsonl): JSON has no NaN,
+    and the job must still be served (`merge_episode` turns them back into floats)."""
     from rollwise.envs.episode import transcript
+    from rollwise.metrics.sinks import clean_value
 
     ep = sample.episode
     return {
@@ -364,7 +461,7 @@ def episode_record(sample, job: EpisodeJob) -> dict:
                         "wall_s": c.wall_s, "sandbox_s": c.sandbox_s} for c in sample.tool_calls],
         "transcript": transcript(sample),
         "final": ep.final_text if ep is not None else sample.response_text,
-        "reward_parts": dict(ep.parts) if ep is not None else {},
+        "reward_parts": {k: clean_value(v) for k, v in ep.parts.items()} if ep is not None else {},
         "ended_by": ep.ended_by if ep is not None else "",
         "assistant_turns": ep.assistant_turns if ep is not None else 0,
         "parse_failures": ep.parse_failures if ep is not None else 0,

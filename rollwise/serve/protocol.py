@@ -8,6 +8,8 @@ log-probs, also in OpenAI's `logprobs` object), `full_logprobs` (untruncated, wh
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +23,50 @@ MAX_LOGPROBS = 20  # OpenAI allows 0..5 (completions) / 0..20 (chat); alternativ
 
 
 class BadRequest(ValueError):
-    """A user error in a request: HTTP 400 with this one-line message."""
+    """A user error in a request: HTTP `status` (400 unless said: 413 for a request over a limit) with this
+    one-line message."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+async def read_body(request, limit_mb: float, key: str) -> bytes:
+    """The request's body, refused with 413 over `limit_mb` MiB (`serve.<key>`): by its Content-Length before
+    any byte is read, and by the bytes received while it streams in (a chunked body has no length)."""
+    limit = int(limit_mb * 2**20)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise BadRequest(f"Content-Length must be a number of bytes, got {declared!r}")
+        if int(declared) > limit:
+            raise _too_large(f"{int(declared)} bytes", limit_mb, key)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"over {limit} bytes received", limit_mb, key)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit_mb: float, key: str) -> BadRequest:
+    return BadRequest(f"the request body ({size}) is over serve.{key} = {limit_mb:g} MB: send less, or raise the "
+                      "limit on the server", 413)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(data: bytes) -> Any:
+    """JSON text -> value; BadRequest for text that is not JSON (NaN and Infinity, which Python accepts, are
+    not JSON and are refused)."""
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except ValueError as exc:
+        reason = str(exc) if "JSON number" in str(exc) else "it does not parse"
+        raise BadRequest(f"the request body is not JSON: {reason}") from None
 
 
 @dataclass(frozen=True)
@@ -38,6 +83,8 @@ def _number(body: dict, key: str, default, kind=float):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise BadRequest(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf
+        raise BadRequest(f"{key} must be a finite number, got {value!r}")
     return kind(value)
 
 
@@ -103,8 +150,16 @@ def check_length(ids: list[int], max_tokens: int, limits: Limits, what: str = "p
                          f"context of {limits.context_tokens} tokens: shorten it or lower {budget}")
 
 
-def completion_prompts(prompt: Any, tokenizer, limits: Limits) -> list[list[int]]:
-    """OpenAI's `prompt`: a string, a list of token ids, or a list of either (a batch) -> token-id prompts."""
+def check_prompt_count(count: int, max_prompts: int, what: str = "prompt") -> None:
+    """At most `max_prompts` prompts in one request (`serve.max_prompts_per_request`); 413 otherwise."""
+    if count > max_prompts:
+        raise BadRequest(f"{what} holds {count} prompts, over serve.max_prompts_per_request = {max_prompts}: "
+                         "split the request", 413)
+
+
+def completion_prompts(prompt: Any, tokenizer, limits: Limits, max_prompts: int = 1 << 62) -> list[list[int]]:
+    """OpenAI's `prompt`: a string, a list of token ids, or a list of either (a batch) -> token-id prompts,
+    at most `max_prompts` of them (413 otherwise, before any is tokenised)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -113,6 +168,7 @@ def completion_prompts(prompt: Any, tokenizer, limits: Limits) -> list[list[int]
         prompts = [prompt]
     else:
         raise BadRequest("prompt must be a string, a list of token ids, or a list of strings or token-id lists")
+    check_prompt_count(len(prompts), max_prompts)
     out = []
     for i, p in enumerate(prompts):
         what = "prompt" if len(prompts) == 1 else f"prompt[{i}]"

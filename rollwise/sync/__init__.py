@@ -131,13 +131,25 @@ class WeightSync:
         return {"sync/bytes": float(sum(f.stat().st_size for f in folder.iterdir()))}
 
     def check(self, version: int) -> tuple[float, float]:
-        """(max, mean) |engine - trainer| log-prob over the probe tokens; SyncError when the max is above the
-        limit or not finite."""
+        """(max, mean) |engine - trainer| log-prob over the probe tokens; SyncError when any gap is not finite
+        (a NaN anywhere, not only first: Python's `max` skips a NaN that does not come first), when the engine
+        answered for a different number of tokens, or when the max is above the limit."""
         engine_logp = self.engine.probe_logprobs(self.probe_ids)
         trainer_logp = self.trainer_probe()
-        gaps = [abs(a - b) for a, b in zip(engine_logp, trainer_logp, strict=True)]
+        if len(engine_logp) != len(trainer_logp) or not trainer_logp:
+            raise SyncError(f"weight sync to version {version}: the engine returned {len(engine_logp)} probe "
+                            f"log-probs for {len(trainer_logp)} probe tokens; the check cannot compare them")
+        gaps = [abs(a - b) for a, b in zip(engine_logp, trainer_logp)]
+        bad = [i for i, g in enumerate(gaps) if not math.isfinite(g)]
+        if bad:
+            first = bad[0]
+            side, value = ("engine", engine_logp[first]) if not math.isfinite(engine_logp[first]) else \
+                ("trainer", trainer_logp[first])
+            raise SyncError(
+                f"weight sync to version {version}: the {side}'s log-prob of probe token {first + 1} of {len(gaps)} "
+                f"is {value} ({len(bad)} non-finite in all); the weights hold NaN/Inf or were corrupted in transfer")
         gap = max(gaps)
-        if not math.isfinite(gap) or gap > self.max_diff:
+        if gap > self.max_diff:
             raise SyncError(
                 f"weight sync to version {version}: the engine's log-probs of the {len(trainer_logp)} probe tokens "
                 f"differ from the trainer's by up to {gap:.3g} (limit sync.max_logprob_diff = {self.max_diff:g}); "

@@ -155,13 +155,17 @@ def add_distill_tensors(mb: MicroBatch, samples: list[Sample], T: int) -> None:
                     raise ValueError(f"sample of group {s.group_id}: {len(lp)} teacher log-probs for "
                                      f"{len(s.response_ids)} response tokens")
                 mb.teacher_logp[b, :len(s.response_ids)] = torch.tensor(lp)
-    if any(s.teacher_topk is not None for s in samples):
-        k = len(next(s.teacher_topk for s in samples if s.teacher_topk is not None)[0][0])
+    topk = [getattr(s, "teacher_topk", None) for s in samples]
+    k = next((len(t[0][0]) for t in topk if t is not None and t[0]), 0)  # an empty response's top-k is ([], [])
+    if k:
         lp, ids = torch.zeros((S, T, k)), torch.zeros((S, T, k), dtype=torch.long)
-        for b, s in enumerate(samples):
-            if s.teacher_topk is not None and s.response_ids:
+        for b, (s, t) in enumerate(zip(samples, topk)):
+            if t is not None and t[0]:
+                if len(t[0]) != len(s.response_ids):
+                    raise ValueError(f"sample of group {s.group_id}: teacher top-k of {len(t[0])} tokens for "
+                                     f"{len(s.response_ids)} response tokens")
                 n = len(s.response_ids)
-                lp[b, :n], ids[b, :n] = torch.tensor(s.teacher_topk[0]), torch.tensor(s.teacher_topk[1])
+                lp[b, :n], ids[b, :n] = torch.tensor(t[0]), torch.tensor(t[1])
         mb.teacher_topk = (lp, ids)
 
 

@@ -158,10 +158,11 @@ def load_trainer_state(ckpt_dir: Path) -> dict:
 
 
 def is_complete(ckpt_dir: Path) -> bool:
-    """True when `ckpt_dir` has its COMPLETE marker and every file it lists has the recorded size."""
+    """True when `ckpt_dir` has its COMPLETE marker, it lists at least one file, and every file it lists has the
+    recorded size (an empty list would pass `all` on nothing)."""
     try:
         files = json.loads((ckpt_dir / COMPLETE).read_text())["files"]
-        return all((ckpt_dir / name).stat().st_size == size for name, size in files.items())
+        return bool(files) and all((ckpt_dir / name).stat().st_size == size for name, size in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 

@@ -265,8 +265,7 @@ class FSDPTrainer(Trainer):
         for sums, weights in gathered:
             for key, value in sums.items():
                 if weights[key] == 0.0:
-                    out.sums[key] = max(out.sums.get(key, -math.inf), value)
-                    out.weights[key] = 0.0
+                    out.keep_max(key, value)
                 else:
                     out.sums[key] = out.sums.get(key, 0.0) + value
                     out.weights[key] = out.weights.get(key, 0.0) + weights[key]

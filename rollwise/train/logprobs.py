@@ -29,6 +29,15 @@ def response_hidden(model, mb: MicroBatch) -> torch.Tensor:
     return hidden.reshape(R * L, H).index_select(0, mb.pred_index[mb.valid])  # [n, H]
 
 
+CHUNK_TOKENS = 512  # response positions per LM-head call: one [CHUNK_TOKENS, V] fp32 logits block at a time
+
+
+def row_chunks(n: int, chunk_tokens: int = CHUNK_TOKENS) -> list[slice]:
+    """Slices over `n` rows, `chunk_tokens` at a time: how every `[rows, V]` LM-head computation is chunked
+    (`token_logprobs` here, the GKD term in `rollwise.distill.terms`)."""
+    return [slice(start, start + chunk_tokens) for start in range(0, n, chunk_tokens)]
+
+
 class _HeadLogprob(torch.autograd.Function):
     """Target-token log-probability and entropy through the LM head for one chunk of positions.
 
@@ -77,7 +86,7 @@ class _HeadLogprob(torch.autograd.Function):
 
 
 def token_logprobs(
-    model, mb: MicroBatch, temperature: float = 1.0, chunk_tokens: int = 512, with_entropy: bool = True,
+    model, mb: MicroBatch, temperature: float = 1.0, chunk_tokens: int = CHUNK_TOKENS, with_entropy: bool = True,
     hidden_out: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities (and entropies) of the response tokens under `model`.
@@ -99,8 +108,8 @@ def token_logprobs(
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     flat_h, weight = flat_h.to(dtype), weight.to(dtype)
     logps, ents = [], []
-    for start in range(0, flat_h.shape[0], chunk_tokens):
-        h, t = flat_h[start : start + chunk_tokens], flat_t[start : start + chunk_tokens]
+    for rows in row_chunks(flat_h.shape[0], chunk_tokens):
+        h, t = flat_h[rows], flat_t[rows]
         lp, ent = _HeadLogprob.apply(h, weight, t, with_entropy)
         logps.append(lp)
         ents.append(ent)

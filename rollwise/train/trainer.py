@@ -145,6 +145,7 @@ class Trainer:
         if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and self.has_reference:
             ref = [self._reference_logprobs(p) for p in mine]
         critic = [self._critic_targets(p) for p in mine] if self.value_head is not None else None
+        self.terms.start_step()  # distill/* are taken over the whole batch at the end (StepTerms.step_metrics)
         acc = _Accumulator()
         skipped = 0
         for epoch in range(self.cfg.ppo_epochs):
@@ -162,6 +163,7 @@ class Trainer:
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
         self._check_finite_weights("after the update")
         out = self._merged(acc).means()
+        out.update(self.terms.step_metrics())
         out["train/nonfinite_steps"] = float(skipped)  # optimizer steps skipped for a NaN/Inf loss or gradient
         out["train/nonfinite_streak"] = float(self.nonfinite_streak)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -247,18 +249,18 @@ class Trainer:
         with self._autocast():
             logp, entropy = self._logprobs(self.model, mb, hidden_out=hidden)  # [B, T] each
         old = logp.detach() if old_logp is None else old_logp
-        advantages, metrics = terms.advantages(old, mb, entropy)  # [B] or [B, T] with the teacher's token term
+        # the teacher gap compares the student's own untruncated log-probs (not top-p / TRB behaviour ones)
+        own = mb.full_logp if self.cfg.old_logprobs == "behaviour" else old
+        advantages, _ = terms.advantages(own, mb, entropy)  # [B] or [B, T]; distill/* come from step_metrics
+        metrics: dict[str, float] = {}
         if terms.sft_only:  # an SFT stage: the NLL of the demonstrations alone
             loss = logp.new_zeros(())
         else:
-            loss, loss_metrics = self.objective.loss(logp, old, mb.behaviour_logp, advantages, mask, norms, seed,
-                                                     entropy=entropy, ref_logp=ref_logp)
-            metrics.update(loss_metrics)
-        extra, extra_metrics = terms.extra_loss(logp, hidden[0] if hidden else None,
-                                                self.model.get_output_embeddings().weight, mb,
-                                                lambda per_token, m: self.objective.aggregate(per_token, m, norms))
+            loss, metrics = self.objective.loss(logp, old, mb.behaviour_logp, advantages, mask, norms, seed,
+                                                entropy=entropy, ref_logp=ref_logp)
+        extra, _ = terms.extra_loss(logp, hidden[0] if hidden else None, self.model.get_output_embeddings().weight,
+                                    mb, lambda per_token, m: self.objective.aggregate(per_token, m, norms))
         loss = loss + extra
-        metrics.update(extra_metrics)
         measure = measure and not terms.sft_only  # demonstrations have no engine log-probs to compare
         if critic is not None:
             old_values, returns = critic
@@ -301,7 +303,7 @@ class Trainer:
             k3 = algo.kl("k3", mb.full_logp, trainer_logp) * current  # [B, T]
             acc.add("mismatch/logprob_abs_diff_mean", float((diff * current).sum()) / w_current, w_current)
             acc.add("mismatch/k3", float(k3.sum()) / w_current, w_current)
-            acc.add("mismatch/logprob_abs_diff_max", float((diff * current).max()), 0.0)
+            acc.add("mismatch/logprob_abs_diff_max", float(torch.where(current > 0, diff, 0.0).max()), 0.0)
         if w_stale > 0:
             acc.add("mismatch/stale_logprob_abs_diff_mean", float((diff * stale).sum()) / w_stale, w_stale)
         if w > 0:
@@ -351,11 +353,17 @@ class _Accumulator:
 
     def add(self, key: str, value: float, weight: float) -> None:
         if weight == 0.0:
-            self.sums[key] = max(self.sums.get(key, -math.inf), value)
-            self.weights[key] = 0.0
+            self.keep_max(key, value)
             return
         self.sums[key] = self.sums.get(key, 0.0) + value * weight
         self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def keep_max(self, key: str, value: float) -> None:
+        """The largest value seen under `key` (weight 0); a NaN stays NaN (Python's `max` would drop it when it
+        does not come first)."""
+        old = self.sums.get(key, -math.inf)
+        self.sums[key] = math.nan if math.isnan(old) or math.isnan(value) else max(old, value)
+        self.weights[key] = 0.0
 
     def means(self) -> dict[str, float]:
         return {k: (v / self.weights[k] if self.weights[k] else v) for k, v in self.sums.items()}
