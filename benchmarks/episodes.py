@@ -24,13 +24,14 @@ import torch
 
 from rollwise.config import DataConfig, EnvConfig
 from rollwise.data import PromptEncoder
-from rollwise.data.tasks import build_prompt_source
+from rollwise.data.sources import build_prompt_source
 from rollwise.envs import build_env
 from rollwise.envs.base import StepResult
 from rollwise.envs.episode import EpisodeCodec, episode_metrics
+from rollwise.generate.groups import new_groups
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.models import load_model
-from rollwise.rollout import Episodes, new_groups
+from rollwise.rollout import Episodes
 from rollwise.types import SamplingParams
 
 

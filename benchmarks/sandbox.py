@@ -69,13 +69,13 @@ def pass_rate(n: int) -> dict:
 
     from rollwise.config import EMBEDDED_MODEL, DataConfig
     from rollwise.data.prompts import encode_prompt
-    from rollwise.data.tasks import build_prompt_source
+    from rollwise.data.sources import build_prompt_source
     from rollwise.envs.episode import EpisodeCodec, run_episodes
     from rollwise.envs.pyexec import PyExecEnv
     from rollwise.generate.torch_engine import TorchEngine
     from rollwise.models import load_model
     from rollwise.rewards import REWARDS, score_samples
-    from rollwise.rollout import new_groups
+    from rollwise.generate.groups import new_groups
     from rollwise.types import SamplingParams
 
     torch.set_num_threads(2)

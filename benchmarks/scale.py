@@ -141,15 +141,16 @@ def raw_vllm(dtype: str, out_dir: Path) -> dict:
     `vllm.LLM.generate` and through rollwise's `VLLMEngine`, same engine settings: tokens/s of each."""
     import torch
 
-    from rollwise.config import load_config
+    
     from rollwise.data import PromptEncoder, build_prompt_source
-    from rollwise.generate.factory import engine_dtype, write_initial_weights
+    from rollwise.generate.factory import engine_dtype
+    from rollwise.models.weights_folder import write_initial_weights
     from rollwise.generate.vllm_engine import VLLMEngine
     from rollwise.models import load_model
-    from rollwise.rollout import sampling_params
+    from rollwise.generate.groups import sampling_params
     from rollwise.types import GenerationRequest
 
-    cfg = load_config(RECIPE, [f"model.dtype={dtype}"])
+    cfg = load(RECIPE, [f"model.dtype={dtype}"])
     model, tok = load_model(cfg.model.name, dtype=torch.float32)
     folder = write_initial_weights(model, tok, out_dir / "raw_vllm")
     source = build_prompt_source(cfg.data, cfg.train.seed)

@@ -106,10 +106,10 @@ class WarningLog:
 
 
 def rollwise_config(args: argparse.Namespace, precision: str, model_dir: Path, total_steps: int):
-    from rollwise.config import load_config
+    
 
     dtype, train_precision = ("bfloat16", "bf16") if precision == "bf16" else ("float32", "fp32")
-    return load_config(None, [
+    return load(None, [
         f"model.name={json.dumps(str(model_dir))}",
         f"model.dtype={dtype}",
         f"model.threads={args.threads}",
@@ -164,7 +164,7 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     from rollwise.loop import rl_step
     from rollwise.models import resolve_model_dir
-    from rollwise.session import open_run
+    from rollwise.build import open_run
 
     total_steps = args.warmup_steps + args.measured_steps
     model_dir = resolve_model_dir(MODEL)

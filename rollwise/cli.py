@@ -15,7 +15,9 @@ from typing import Optional
 
 import typer
 
-from rollwise.config import ConfigError, load_config, to_toml
+from rollwise.config import ConfigError
+from rollwise.config_toml import to_toml
+from rollwise.validate import load
 from rollwise.errors import guard, one_line
 
 def _quiet_libraries() -> None:
@@ -68,7 +70,7 @@ def train(
     elif recipe is None and DEFAULT_RECIPE.exists():
         recipe = str(DEFAULT_RECIPE)
     try:
-        cfg = load_config(recipe, overrides)
+        cfg = load(recipe, overrides)
     except ConfigError as exc:
         _fail(str(exc))
     if dry_run:
@@ -80,7 +82,7 @@ def train(
         typer.echo(to_toml(cfg))
         return
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun: ranks > 0 are FSDP2 trainer workers of rank 0's loop
-        from rollwise.train.distributed import worker_main_from_env
+        from rollwise.train.launch import worker_main_from_env
 
         _exit_after(lambda: worker_main_from_env(cfg))
     if run_dir is None:

@@ -9,10 +9,10 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SecretStr, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, SecretStr, ValidationError, field_validator
 
-from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig, stage_errors
+from rollwise.errors import UserError
+from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
@@ -312,17 +312,6 @@ class RunConfig(Section):
     trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["jsonl"], description="metric sinks; metrics.jsonl is always written")
 
-    @field_validator("trackers")
-    @classmethod
-    def _trackers_installed(cls, trackers: list[str]) -> list[str]:
-        """Each tracker's library must be importable now, not at the first step (its extra names the pip line)."""
-        import importlib.util
-
-        for name in trackers:
-            if name != "jsonl" and importlib.util.find_spec(name) is None:  # the module is named as the tracker
-                raise ValueError(f"'{name}' is not installed; pip install 'rollwise[{name}]'")
-        return trackers
-
 
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -345,76 +334,8 @@ class Config(Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     stage: list[StageConfig] = Field(default_factory=list, description="[[stage]] tables: kind and steps, in order")
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "Config":
-        algo = self.algo
-        if algo.is_correction != "none" and self.train.old_logprobs == "behaviour":
-            raise ValueError(f"algo.is_correction = {algo.is_correction!r} corrects the gap between the engine's "
-                             "log-probs and the trainer's old log-probs; set train.old_logprobs = 'recompute'")
-        if algo.advantage in GROUP_ADVANTAGES and self.rollout.samples_per_prompt < 2:
-            raise ValueError(f"algo.advantage = {algo.advantage!r} compares the samples of one prompt: "
-                             "rollout.samples_per_prompt must be at least 2 (or use advantage = 'gae' with a critic)")
-        self._check_off_policy()
-        self._check_scale_out()
-        errors = stage_errors(self)
-        if errors:
-            raise ValueError(errors[0])
-        return self
 
-    def _check_scale_out(self) -> None:
-        rollout, train = self.rollout, self.train
-        if rollout.engine in ("sglang", "openai") and not (rollout.server or "").startswith(("http://", "https://")):
-            raise ValueError(f"rollout.engine = {rollout.engine!r} is a client of a running server: set "
-                             "rollout.server to its URL, e.g. 'http://127.0.0.1:30000'")
-        if rollout.engine == "torch" and rollout.server is not None:
-            raise ValueError("rollout.server is for the vllm, sglang and openai engines; the torch engine runs "
-                             "in-process (remove rollout.server or set rollout.engine)")
-        if rollout.engine != "torch" and self.control.mode == "async":
-            raise ValueError(f"control.mode = 'async' runs the torch engine in a second process; with "
-                             f"rollout.engine = {rollout.engine!r} use control.mode = 'sync'")
-        if train.backend == "local" and train.world_size > 1:
-            raise ValueError("train.world_size > 1 needs train.backend = 'fsdp2'")
-        if self.sync.transport == "tensors" and rollout.engine != "torch":
-            raise ValueError(f"sync.transport = 'tensors' copies weights in-process into the torch engine; "
-                             f"rollout.engine = {rollout.engine!r} takes 'safetensors' or 'nccl' (or 'auto')")
-        if self.lora.rank > 0 and train.backend == "fsdp2":
-            raise ValueError("lora.rank > 0 trains adapters on one process: use train.backend = 'local' with LoRA "
-                             "(FSDP2 shards full fine-tuning)")
-        if self.cluster.ray and self.control.mode == "async":
-            raise ValueError("cluster.ray places engines as Ray actors; control.mode = 'async' is the single-machine "
-                             "generation process: use control.mode = 'sync'")
-        if self.cluster.ray and rollout.engine in ("sglang", "openai"):
-            raise ValueError(f"cluster.ray starts engines as Ray actors; rollout.engine = {rollout.engine!r} is a "
-                             "client of a server you run yourself: set cluster.ray = false")
-        if self.sync.transport in ("safetensors", "nccl") and rollout.engine == "torch":
-            raise ValueError(f"sync.transport = {self.sync.transport!r} is for vLLM; the torch engine takes "
-                             "'tensors' (or 'auto')")
-
-    def _check_off_policy(self) -> None:
-        control, replay = self.control, self.replay
-        sources = [name for name, on in [
-            ("control.partial_rollouts", control.partial_rollouts),
-            (f"replay.kind = {replay.kind!r}", replay.kind != "none"),
-            ("control.mode = 'async' with max_staleness > 0", control.mode == "async" and control.max_staleness > 0),
-        ] if on]
-        if sources and self.algo.is_correction == "none":
-            raise ValueError(f"{sources[0]} trains on tokens sampled by older policies: set algo.is_correction "
-                             "(e.g. 'tis_token') to correct them with their stored behaviour log-probs")
-        if control.partial_rollouts and control.max_staleness < 1:
-            raise ValueError("control.partial_rollouts continues responses under the next policy version: "
-                             "control.max_staleness must be at least 1")
-        if control.mode == "async" and control.partial_rollouts:
-            raise ValueError("control.partial_rollouts works with control.mode = 'sync' only (async mode already "
-                             "overlaps the long tail with training)")
-        if replay.kind != "none" and self.algo.advantage not in GROUP_ADVANTAGES:
-            raise ValueError(f"replay.kind = {replay.kind!r} replays stored outcome advantages; "
-                             f"algo.advantage = {self.algo.advantage!r} has none (use one of {GROUP_ADVANTAGES})")
-
-
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
-
-
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override is invalid; the message says which key and what is valid."""
 
 
@@ -498,9 +419,10 @@ def _format_validation(exc: ValidationError, where: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, resolve: bool = True) -> Config:
-    """Read a TOML recipe (optional) and apply `section.key=value` overrides; with `resolve`, check every
-    registry name (and import plugins) too (`rollwise.names`)."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Parse a TOML recipe (optional) and `section.key=value` overrides into a `Config`: keys, types and ranges
+    only. Checks across keys and of registry names are a step above (`rollwise.validate.validate`), which every
+    command runs before any work."""
     data: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
@@ -517,14 +439,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for override in overrides or []:
         apply_override(data, override)
     try:
-        cfg = Config.model_validate(data)
+        return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, where)) from exc
-    if resolve:
-        from rollwise.names import resolve_names
 
-        resolve_names(cfg)
-    return cfg
-
-
-from rollwise.config_toml import to_toml  # noqa: E402  (re-exported: rollwise.config.to_toml)

@@ -23,10 +23,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollwise.config import GROUP_ADVANTAGES, Config
+from rollwise import algo
+from rollwise.config import Config
 from rollwise.filter import apply_filters
+from rollwise.generate.groups import StopRule, is_complete, new_groups, oldest_version, sampling_params
 from rollwise.rewards import reward_metrics, score_sample
-from rollwise.rollout import StopRule, is_complete, new_groups, oldest_version, sampling_params
 from rollwise.types import Group, Prompt, Sample, Status
 
 PromptFn = Callable[[int], list[tuple[Prompt, list[int]]]]
@@ -41,6 +42,7 @@ class StepBatch:
     generated: list[Group] = field(default_factory=list)  # every group completed this step, kept or not
     replayed: list[Sample] = field(default_factory=list)  # set by the loop: samples drawn from the replay buffer
     trained: list[Sample] = field(default_factory=list)  # set by the loop: fresh + replayed samples
+    record: Callable[[Sample], dict] = field(default=lambda sample: {})  # set by the loop: the method's log view
     metrics: dict[str, float] = field(default_factory=dict)
     generate_s: float = 0.0
     groups_short: int = 0  # groups the batch lacks after the filters (what `ssr` replay refills)
@@ -89,13 +91,13 @@ class Controller:
         self.next_prefetch_step = 0
         self.forced = 0  # partial rollouts: carried groups run to completion (staleness bound) this step
         self.keep_rate = 1.0  # running fraction of generated groups the filters keep (dynamic over-sampling)
-        group_relative = cfg.algo.advantage in GROUP_ADVANTAGES
+        group_relative = algo.is_group_advantage(cfg.algo.advantage)
         self.filters = ["all_failed"] + (["zero_variance"] if cfg.algo.filter_zero_variance and group_relative else [])
 
     def keep_uniform_groups(self, keep: bool) -> None:
         """Keep groups whose rewards are all equal (teacher and SFT stages: the teacher's token signal, or the
         correct responses, do not need reward variance); otherwise drop them as `algo.filter_zero_variance` says."""
-        group_relative = self.cfg.algo.advantage in GROUP_ADVANTAGES
+        group_relative = algo.is_group_advantage(self.cfg.algo.advantage)
         zero_variance = self.cfg.algo.filter_zero_variance and group_relative and not keep
         self.filters = ["all_failed"] + (["zero_variance"] if zero_variance else [])
 
@@ -144,6 +146,8 @@ class Controller:
         self._trim(out, target, version, counts)
         out.groups_short = max(0, target - len(out.groups))
         out.metrics = self._metrics(out, counts, target)
+        if self.substitution is not None:  # what hard-sample substitution did this step
+            out.metrics.update(self.substitution.metrics())
         return out
 
     def _generate(self, step: int, version: int, need: int, first: bool):

@@ -8,6 +8,7 @@ traceback goes to `RUN_DIR/error.log` when the run directory exists, and to stde
 
 from __future__ import annotations
 
+import errno
 import time
 import traceback
 from contextlib import contextmanager
@@ -20,37 +21,21 @@ EXIT_USER, EXIT_INTERNAL, EXIT_INTERRUPTED = 2, 1, 130
 ERROR_LOG = "error.log"
 
 
+class UserError(Exception):
+    """Base of the errors a user can fix (a bad config, data, model, checkpoint, reward, a NaN run...): the CLI
+    shows its message as the one `error:` line with exit code 2. Each such error class also derives from the
+    builtin it is (`class ConfigError(UserError, ValueError)`), so callers may catch either."""
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    from rollwise.train.checkpoint import is_disk_full as check
+    """True for "no space left" (or over quota / file-size limit), whichever library raised it."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
 
-    return check(exc)
 
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions whose message is meant for the user: bad config, data, model, checkpoint, reward, NaN."""
-    from rollwise.config import ConfigError
-    from rollwise.data.files import DatasetError
-    from rollwise.metrics.report import ReportError
-    from rollwise.models import ModelNotFoundError
-    from rollwise.train.checkpoint import CheckpointError
-    from rollwise.train.trainer import NonFiniteError
-
-    types: list[type[BaseException]] = [ConfigError, DatasetError, ReportError, ModelNotFoundError,
-                                        CheckpointError, NonFiniteError, FileNotFoundError]
-    try:
-        from rollwise.rewards.scoring import RewardsFailingError
-        types.append(RewardsFailingError)
-    except ImportError:
-        pass
-    from rollwise.generate.factory import MissingExtraError
-    from rollwise.generate.http_engine import ServerEngineError
-    from rollwise.sync import SyncError
-
-    from rollwise.distill.guards import CollapseError
-    from rollwise.distill.teacher import TeacherError
-
-    types += [MissingExtraError, ServerEngineError, SyncError, TeacherError, CollapseError]
-    return tuple(types)
+USER_ERRORS = (UserError, FileNotFoundError)
 
 
 def one_line(text: str) -> str:
@@ -59,7 +44,7 @@ def one_line(text: str) -> str:
     return "; ".join(parts) if parts else "(no message)"
 
 
-def describe(exc: BaseException, user_types: tuple[type[BaseException], ...]) -> tuple[str, int]:
+def describe(exc: BaseException, user_types: tuple[type[BaseException], ...] = USER_ERRORS) -> tuple[str, int]:
     """(the error line without `error: `, exit code) for `exc`."""
     phase = getattr(exc, "rollwise_where", None)
     where = f"{phase}: " if phase else ""
@@ -110,7 +95,7 @@ def guard(run_dir: Path | None, debug: bool = False) -> Iterator[None]:
     except BaseException as exc:  # noqa: BLE001 - every error ends the same way
         if isinstance(exc, SystemExit):
             raise
-        message, code = describe(exc, _user_error_types())
+        message, code = describe(exc)
         log = write_error_log(run_dir, exc)
         details = getattr(exc, "traceback", None)  # e.g. the reward function's own traceback
         if details:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from itertools import count
 
 from rollwise.generate.base import Engine
+from rollwise.generate.groups import make_groups, new_groups
 from rollwise.rewards import DEFAULT_TIMEOUT_S, score_samples
-from rollwise.rollout import make_groups, new_groups
 from rollwise.types import GenerationRequest, Prompt, SamplingParams, Status
 
 EVAL_SEED = 1234  # evaluation samples from its own stream, so it never shifts training's RNG

@@ -10,6 +10,7 @@ import torch
 
 from rollwise import sandbox
 from rollwise.config import load_config
+from rollwise.validate import validate
 from rollwise.envs import build_env
 from rollwise.envs.episode import EpisodeCodec, final_text, transcript
 from rollwise.rollout import Episodes
@@ -19,7 +20,8 @@ from rollwise.generate import TorchEngine
 from rollwise.hardware import configure_allocator, configure_threads
 from rollwise.models import load_model
 from rollwise.rewards import build_reward_fn
-from rollwise.session import encode_eval_prompts, engine_dtype
+from rollwise.generate.factory import engine_dtype
+from rollwise.session import encode_eval_prompts
 from rollwise.train.checkpoint import latest_checkpoint
 
 
@@ -58,6 +60,7 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         cfg.data.path = None
         cfg.data.eval_path = None
         cfg.data.split = "prompt"
+    validate(cfg)
     configure_allocator()
     configure_threads(cfg.model.threads)
     sandbox.allow_unconfined(cfg.sandbox.allow_unconfined)

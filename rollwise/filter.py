@@ -42,17 +42,3 @@ def apply_filters(groups: list[Group], names: list[str]) -> tuple[list[Group], C
         else:
             kept.append(group)
     return kept, dropped
-
-
-def filter_groups(groups: list[Group], names: list[str]) -> tuple[list[Group], dict[str, float]]:
-    """Apply group filters in order; returns kept groups and `filter/*` metrics.
-
-    `filter/<reason>_frac` is the fraction of all groups dropped for that reason, `filter/kept_frac`
-    the fraction kept.
-    """
-    kept, dropped = apply_filters(groups, names)
-    total = max(1, len(groups))
-    metrics = {f"filter/{name}_frac": dropped[name] / total for name in ["all_failed", "zero_variance", *dropped]}
-    metrics["filter/kept_frac"] = len(kept) / total
-    metrics["filter/groups_kept"] = float(len(kept))
-    return kept, metrics

@@ -57,6 +57,8 @@ def resolve_names(cfg: Config) -> None:
     for name, options in a.shaping.items():
         _lookup(algo.SHAPING, name, f"algo.shaping.{name}")
         _options(algo.SHAPING, name, {"max_len": cfg.rollout.max_new_tokens, **options}, f"algo.shaping.{name}")
+    _check_scale(cfg)
+    _check_methods(cfg)
     factory = _lookup(TASKS, cfg.data.task, "data.task")
     _check_split(cfg, factory)
     for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
@@ -71,6 +73,32 @@ def resolve_names(cfg: Config) -> None:
     _check_teacher(cfg)
     _check_extras(cfg)
     _check_sandbox(cfg)
+
+
+def _check_scale(cfg: Config) -> None:
+    """`algo.scale_rewards = "none"` goes to an outcome estimator that takes `scale` (grpo); on others it would do
+    nothing, silently."""
+    import inspect
+
+    from rollwise import algo
+
+    a = cfg.algo
+    if a.scale_rewards == "group" or algo.is_token_advantage(a.advantage):
+        return
+    if "scale" not in inspect.signature(algo.ADVANTAGES.get(a.advantage)).parameters:
+        raise ConfigError(f"algo.scale_rewards = {a.scale_rewards!r} is an option of estimators that normalise by the "
+                          f"group's spread (grpo); algo.advantage = {a.advantage!r} takes none: remove it")
+
+
+def _check_methods(cfg: Config) -> None:
+    """Every `[[stage]] kind` names a method (rollwise.methods.METHODS, or a plugin 'package.module:Class')."""
+    from rollwise.methods import METHODS, Method
+
+    for number, stage in enumerate(cfg.stage, 1):
+        entry = _lookup(METHODS, stage.kind, f"[[stage]] number {number}: kind")
+        if not (isinstance(entry, type) and issubclass(entry, Method)):
+            raise ConfigError(f"[[stage]] number {number}: kind = {stage.kind!r} is not a rollwise.methods.Method "
+                              "subclass")
 
 
 def _check_teacher(cfg: Config) -> None:

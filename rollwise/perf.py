@@ -87,7 +87,7 @@ def measure_matmul_gflops(dtype: torch.dtype = torch.float32, size: int = MEASUR
     """GFLOP/s of a `size` x `size` x `size` matmul in `dtype` on the CPU, on the current torch threads: the
     fastest of `repeats` timed runs after a warm-up, for both `a @ b` and a oneDNN prepacked linear (what the
     engine uses); the faster kernel counts."""
-    from rollwise.generate.packed_linear import PackedLinear
+    from rollwise.models.packed_linear import PackedLinear
 
     gen = torch.Generator().manual_seed(0)  # never touch the global RNG (runs must resume identically)
     a = torch.randn(size, size, generator=gen).to(dtype)
@@ -292,22 +292,6 @@ def train_flops(counter: FlopCounter, trained, train_metrics: dict) -> float:
             + train_metrics.get("train/passes/critic", 0.0) * counter.forward(tokens, context / 2, 0))
 
 
-def reference_flops(counter: FlopCounter, samples, micro_batch_tokens: int, share_prompt: bool) -> float:
-    """FLOPs of the reference pass `Trainer.kl_penalties` runs in the filter stage (`algo.kl_in_reward`): one
-    forward over the micro-batches it builds (a prompt counts once per micro-batch with `share_prompt`)."""
-    from rollwise.train.batching import split_by_tokens
-
-    if not samples:
-        return 0.0
-    tokens = 0
-    for batch in split_by_tokens(samples, micro_batch_tokens, share_prompt=share_prompt):
-        prompts = {tuple(s.prompt_ids) for s in batch} if share_prompt else [s.prompt_ids for s in batch]
-        tokens += sum(len(p) for p in prompts) + sum(len(s.response_ids) for s in batch)
-    responses = sum(len(s.response_ids) for s in samples)
-    context = sum(s.num_tokens for s in samples) / len(samples)
-    return counter.forward(tokens, context / 2, responses)
-
-
 # -- MFU of a step -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PeakSpec:
@@ -352,7 +336,7 @@ MFU_KEYS = ("perf/rollout_mfu", "perf/train_mfu", "perf/mfu")
 def mfu_figures(flops: dict[str, float], seconds: dict[str, float], generate_s: float,
                 peaks: tuple[float | None, float | None], concurrent: bool = False) -> dict[str, float | None]:
     """MFU of one step from model FLOPs per stage (`rollout`, `train`, `filter`: the `kl_in_reward` reference
-    pass, `teacher`: the distillation teacher's scoring pass) and the peaks (GFLOP/s) of the precision each runs in.
+    pass, `method`: the method's own model passes, e.g. a distillation teacher's scoring) and the peaks (GFLOP/s) of the precision each runs in.
 
     - `perf/rollout_mfu` = rollout FLOPs / the engine's own generation seconds (`generate_s`: in async mode
       measured in the generation process) / the rollout peak (engine dtype, the engine's threads).
@@ -368,7 +352,7 @@ def mfu_figures(flops: dict[str, float], seconds: dict[str, float], generate_s: 
     """
     rollout_peak, train_peak = peaks
     rollout, train, filter_ = flops.get("rollout", 0.0), flops.get("train", 0.0), flops.get("filter", 0.0)
-    teacher = flops.get("teacher", 0.0)  # the teacher's scoring pass (distillation), in the trainer's precision
+    teacher = flops.get("method", 0.0)  # the method's own model passes (a teacher's scoring), trainer precision
     out: dict[str, float | None] = dict.fromkeys(MFU_KEYS)
     if rollout_peak:
         out["perf/rollout_mfu"] = rollout / max(generate_s, 1e-9) / (rollout_peak * 1e9)
@@ -381,7 +365,7 @@ def mfu_figures(flops: dict[str, float], seconds: dict[str, float], generate_s: 
         else:
             idle_peak = max(rollout_peak, train_peak)
             stage_peak = {"rollout": rollout_peak, "train": train_peak, "filter": train_peak if filter_ else idle_peak,
-                          "teacher": train_peak if teacher else idle_peak}
+                          "method": train_peak if teacher else idle_peak}
             capacity = sum(s * stage_peak.get(stage, idle_peak) for stage, s in seconds.items())
         out["perf/mfu"] = (rollout + train + filter_ + teacher) / max(capacity * 1e9, 1e-9)
     return out
@@ -432,29 +416,6 @@ def run_peak_spec(run) -> PeakSpec:
         rollout_on_cpu=(run.cfg.control.generation_device if concurrent else run.engine.device.type) == "cpu",
         train_on_cpu=run.trainer.device_type == "cpu",
     )
-
-
-def step_perf(run, batch, samples, trained, seconds: dict[str, float],
-              train_metrics: dict[str, float]) -> dict[str, float | None]:
-    """`perf/*` FLOP and MFU figures of one RL step of `run` (see `mfu_figures` for the definitions).
-
-    batch: the step's `StepBatch` (`scored` samples give the rollout contexts, `generate_s` the engine's own
-    time); samples: the fresh samples the filter stage kept (the `kl_in_reward` reference pass runs on them);
-    trained: what the update used; train_metrics: `Trainer.step`'s metrics (its `train/passes/*`)."""
-    cfg, stats = run.cfg, run.rollouts.stats
-    flops = {"rollout": rollout_flops(run.flops, stats, batch.scored),
-             "train": train_flops(run.flops, trained, train_metrics)}
-    if cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward:
-        flops["filter"] = reference_flops(run.flops, samples, cfg.train.micro_batch_tokens, cfg.train.share_prompt)
-    scored = getattr(run.teacher, "last_scored", None)  # the teacher's pass over its prompts and the responses
-    if scored:
-        flops["teacher"] = reference_flops(run.teacher.flops, scored, cfg.train.micro_batch_tokens,
-                                           cfg.train.share_prompt)
-        run.teacher.last_scored = []
-    out = checked_mfu(flops, seconds, batch.generate_s, run_peak_spec(run), step=run.step)
-    out["perf/step_tflop"] = sum(flops.values()) / 1e12
-    out["perf/rollout_padding_eff"] = stats.padding_eff
-    return out
 
 
 if __name__ == "__main__":

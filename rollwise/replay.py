@@ -13,37 +13,24 @@ first when the buffer is over `replay.capacity`, and an entry leaves after `repl
 samples keep their behaviour log-probs and version spans, so the trainer's importance correction
 (`algo.is_correction`) weighs them against the current policy.
 
-What a step decided about a sample belongs to that step (`STEP_FIELDS`): Self-Routing's route and loss weights,
-the SFT mark, the teacher's scores. The buffer stores and returns copies with those at their `Sample` defaults,
-and does not store samples routed `skip`. So a replayed sample trains with its stored reward advantage in any
-later stage (a `self_distill` one too, whose reward weight was 0 in its own step), and in a teacher stage it gets
-no teacher term: its old scores (of a live or EMA teacher that has moved since) are cleared, not reused, and it is
-not re-scored; the trainer gives unscored samples the reward advantage alone (times `distill.reward_weight`).
+What a step decided about a sample belongs to that step: Self-Routing's route and loss weights, the SFT mark and
+the teacher's scores live in the step's marks (rollwise.distill.terms.StepMarks), never on the sample, and the
+buffer does not store samples the method left out (routed `skip`). So a replayed sample trains with its stored
+reward advantage in any later stage (a `self_distill` one too, whose reward weight was 0 in its own step), and in a
+teacher stage it gets no teacher term: it is not re-scored, and old scores (of a live or EMA teacher that has moved
+since) are never reused; the trainer gives unmarked samples the reward advantage alone (times
+`distill.reward_weight`).
 """
 
 from __future__ import annotations
 
 import copy
 import random
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 
 from rollwise.config import ReplayConfig
-from rollwise.rollout import oldest_version
+from rollwise.generate.groups import oldest_version
 from rollwise.types import Group, Sample
-
-
-# Sample fields one step sets for itself (rollwise.distill.step.prepare, the teacher): reset in stored samples
-STEP_FIELDS = ("loss_weights", "route", "teacher_logprobs", "teacher_topk")
-_DEFAULTS = {f.name: f for f in fields(Sample) if f.name in STEP_FIELDS}
-
-
-def without_step_decisions(sample: Sample) -> Sample:
-    """A shallow copy of `sample` whose `STEP_FIELDS` are at their `Sample` defaults (works on samples unpickled
-    from checkpoints written before some field existed)."""
-    fresh = copy.copy(sample)
-    for name, f in _DEFAULTS.items():
-        setattr(fresh, name, f.default_factory() if f.default_factory is not MISSING else f.default)
-    return fresh
 
 
 @dataclass
@@ -100,7 +87,7 @@ class ReplayBuffer:
         self.entries = [e for e in self.entries if e.uses < self.cfg.max_uses]
         self.counts["last_age_sum"] = sum(version - e.version for e in picked)
         self.counts["last_entries"] = len(picked)
-        out = [without_step_decisions(s) for e in picked for s in e.samples]  # what this step does stays here
+        out = [copy.copy(s) for e in picked for s in e.samples]  # what this step does to them stays here
         for s in out:
             s.replayed = True
         return out
@@ -124,15 +111,17 @@ class ReplayBuffer:
                 picked.append(pool.pop())
         return picked
 
-    def add(self, groups: list[Group], version: int) -> None:
-        """Store what qualifies among this step's trained groups (advantages already set): copies without this
-        step's decisions (`without_step_decisions`), and never a sample routed `skip` (`hard_case` judges the
-        whole group and stores the rest of it)."""
+    def add(self, groups: list[Group], version: int, trained: list[Sample] | None = None) -> None:
+        """Store what qualifies among this step's groups (advantages already set), as copies: what the step's
+        method decided about a sample (teacher scores, routes, loss weights) lives in its marks, never on the
+        sample. With `trained` (what the method kept for the update), a sample it left out (Self-Routing's
+        `skip`) is not stored; `hard_case` judges the whole group and stores the rest of it."""
         if not self.enabled:
             return
+        keep = None if trained is None else {id(s) for s in trained}
         for group in groups:
             samples = group.usable()
-            kept = [without_step_decisions(s) for s in samples if getattr(s, "route", "") != "skip"]
+            kept = [copy.copy(s) for s in samples if keep is None or id(s) in keep]
             if self.cfg.kind == "hard_case":
                 rewards = [s.reward for s in samples]
                 if kept and len(set(rewards)) > 1 and sum(rewards) / len(rewards) < self.cfg.hard_reward_threshold:

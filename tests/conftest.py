@@ -2,7 +2,7 @@
 
 - `tiny_model_dir`: a tiny random Llama + tiny ChatML tokenizer saved as a local HF directory (session scope),
   usable as `model.name`.
-- `tiny_config(model_dir, *overrides, **overrides)`: a small, fast `Config` built through `load_config`.
+- `tiny_config(model_dir, *overrides, **overrides)`: a small, fast `Config` built through `rollwise.validate.load` (parsed and validated, as the CLI does).
 - `tests/` is put on `sys.path` so plugins can be named by dotted path (`toy_plugins:fn`), and on
   `PYTHONPATH` (`subprocess_env()`) for CLI subprocesses.
 """
@@ -28,7 +28,8 @@ if str(TESTS_DIR) not in sys.path:  # dotted-path plugins ('toy_plugins:fn') mus
 
 from helpers_model import tiny_llama  # noqa: E402
 from helpers_tokenizer import tiny_tokenizer  # noqa: E402
-from rollwise.config import Config, load_config  # noqa: E402
+from rollwise.validate import load
+from rollwise.config import Config# noqa: E402
 
 # Small and fast: 4 prompts x 4 samples x 8 new tokens per step, a 16-prompt eval only at start and end.
 TINY_DEFAULTS: dict[str, object] = {
@@ -75,8 +76,8 @@ def tiny_overrides(model_dir: str | Path, **overrides: object) -> list[str]:
 
 
 def tiny_config(model_dir: str | Path, **overrides: object) -> Config:
-    """A small Config for tests on the tiny model (see TINY_DEFAULTS), through `load_config`."""
-    return load_config(None, tiny_overrides(model_dir, **overrides))
+    """A small Config for tests on the tiny model (see TINY_DEFAULTS), through `rollwise.validate.load`."""
+    return load(None, tiny_overrides(model_dir, **overrides))
 
 
 def subprocess_env() -> dict[str, str]:

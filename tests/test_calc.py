@@ -11,15 +11,16 @@ from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 from rollwise.config import DataConfig, EnvConfig
 from rollwise.data import PromptEncoder
-from rollwise.data.tasks import build_prompt_source
+from rollwise.data.sources import build_prompt_source
 from rollwise.envs import build_env
 from rollwise.envs.calc import CalcTask, fact
 from rollwise.envs.episode import EpisodeCodec
 from rollwise.envs.substitution import HardSampleSubstitution
 from rollwise.envs.tool_env import calculate
+from rollwise.generate.groups import new_groups
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.rewards import score_sample
-from rollwise.rollout import Episodes, new_groups
+from rollwise.rollout import Episodes
 from rollwise.types import RewardResult, SamplingParams
 
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from conftest import ROLLWISE, read_rows, subprocess_env, tiny_overrides
+from rollwise.validate import load
 from rollwise.cli import app
 
 # Keys every training row must carry (spec), and every eval row.
@@ -122,7 +123,7 @@ def test_resume_of_a_directory_without_config_fails_clearly(tmp_path):
 
 def test_resume_without_checkpoint_fails_cleanly(tmp_path, tiny_model_dir):
     from conftest import tiny_config
-    from rollwise.config import to_toml
+    from rollwise.config_toml import to_toml
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -187,10 +188,10 @@ def test_train_writes_the_run_directory(trained_run):
 
 
 def test_train_config_toml_is_the_resolved_config(trained_run, tiny_model_dir):
-    from rollwise.config import load_config
+    
 
     run_dir, _ = trained_run
-    cfg = load_config(run_dir / "config.toml")
+    cfg = load(run_dir / "config.toml")
     assert cfg.train.steps == 2 and cfg.model.name == str(tiny_model_dir)
     assert cfg.reward.fn == "toy_plugins:digit_fraction"
 

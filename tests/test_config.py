@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rollwise.config import Config, ConfigError, load_config, to_toml, valid_keys
+from rollwise.validate import load
+from rollwise.config import Config, ConfigError, load_config, valid_keys
+from rollwise.config_toml import to_toml
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.toml"))
 
@@ -18,7 +20,7 @@ RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.to
 
 def test_unknown_key_in_override_lists_the_sections_valid_keys():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["train.stpes=3"])
+        load(None, ["train.stpes=3"])
     msg = str(info.value)
     assert "train.stpes" in msg
     for key in ("steps", "lr", "seed", "warmup_steps", "micro_batch_tokens"):
@@ -27,7 +29,7 @@ def test_unknown_key_in_override_lists_the_sections_valid_keys():
 
 def test_unknown_section_in_override_lists_valid_sections():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["trainer.steps=3"])
+        load(None, ["trainer.steps=3"])
     msg = str(info.value)
     assert "trainer" in msg
     for section in ("model", "data", "rollout", "reward", "algo", "train", "eval", "run"):
@@ -36,7 +38,7 @@ def test_unknown_section_in_override_lists_valid_sections():
 
 def test_override_without_section_lists_valid_keys():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["steps=3"])
+        load(None, ["steps=3"])
     msg = str(info.value)
     assert "section.key" in msg and "train.steps" in msg and "rollout.max_new_tokens" in msg
 
@@ -45,7 +47,7 @@ def test_unknown_key_in_recipe_file_names_file_and_valid_keys(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('[rollout]\nprompts_per_step = 4\ntemprature = 0.5\n')
     with pytest.raises(ConfigError) as info:
-        load_config(recipe)
+        load(recipe)
     msg = str(info.value)
     assert str(recipe) in msg and "rollout.temprature" in msg and "temperature" in msg and "max_new_tokens" in msg
 
@@ -54,7 +56,7 @@ def test_unknown_section_in_recipe_file(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('[optimizer]\nlr = 1e-3\n')
     with pytest.raises(ConfigError) as info:
-        load_config(recipe)
+        load(recipe)
     msg = str(info.value)
     assert str(recipe) in msg and "'optimizer'" in msg and "train" in msg
 
@@ -63,7 +65,7 @@ def test_section_that_is_not_a_table(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('train = 3\n')
     with pytest.raises(ConfigError, match="table"):
-        load_config(recipe)
+        load(recipe)
 
 
 def test_valid_keys_covers_every_section():
@@ -77,21 +79,21 @@ def test_valid_keys_covers_every_section():
 
 def test_bad_value_type_names_key_and_expectation():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["rollout.prompts_per_step=many"])
+        load(None, ["rollout.prompts_per_step=many"])
     msg = str(info.value)
     assert "rollout.prompts_per_step" in msg and "integer" in msg and "'many'" in msg
 
 
 def test_bad_literal_lists_allowed_values():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["model.dtype=float16"])
+        load(None, ["model.dtype=float16"])
     msg = str(info.value)
     assert "model.dtype" in msg and "float32" in msg and "bfloat16" in msg and "float16" in msg
 
 
 def test_out_of_range_value_names_key_and_bound():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["rollout.top_p=1.5"])
+        load(None, ["rollout.top_p=1.5"])
     msg = str(info.value)
     assert "rollout.top_p" in msg and "1" in msg
 
@@ -100,21 +102,21 @@ def test_bad_value_in_recipe_file_names_the_file(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('[train]\nsteps = "ten"\n')
     with pytest.raises(ConfigError) as info:
-        load_config(recipe)
+        load(recipe)
     msg = str(info.value)
     assert str(recipe) in msg and "train.steps" in msg
 
 
 def test_every_error_is_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["train.steps=-1", "train.lr=0"])
+        load(None, ["train.steps=-1", "train.lr=0"])
     msg = str(info.value)
     assert "train.steps" in msg and "train.lr" in msg
 
 
 def test_empty_ops_rejected():
     with pytest.raises(ConfigError, match="data.ops"):
-        load_config(None, ["data.ops=[]"])
+        load(None, ["data.ops=[]"])
 
 
 # ------------------------------------------------------------------------------------- recipe files
@@ -124,7 +126,7 @@ def test_toml_syntax_error_names_the_file(tmp_path):
     recipe = tmp_path / "broken.toml"
     recipe.write_text("[train]\nsteps = = 3\n")
     with pytest.raises(ConfigError) as info:
-        load_config(recipe)
+        load(recipe)
     msg = str(info.value)
     assert str(recipe) in msg and "TOML" in msg and "line 2" in msg
 
@@ -132,14 +134,14 @@ def test_toml_syntax_error_names_the_file(tmp_path):
 def test_missing_recipe_file_is_a_config_error(tmp_path):
     missing = tmp_path / "nope.toml"
     with pytest.raises(ConfigError) as info:
-        load_config(missing)
+        load(missing)
     assert str(missing) in str(info.value) and "not found" in str(info.value)
 
 
 def test_overrides_apply_on_top_of_a_recipe(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text('[train]\nsteps = 5\nlr = 1e-4\n[run]\nname = "x"\n')
-    cfg = load_config(recipe, ["train.steps=7"])
+    cfg = load(recipe, ["train.steps=7"])
     assert cfg.train.steps == 7 and cfg.train.lr == 1e-4 and cfg.run.name == "x"
     assert cfg.rollout == Config().rollout  # untouched sections keep their defaults
 
@@ -148,7 +150,7 @@ def test_overrides_apply_on_top_of_a_recipe(tmp_path):
 def test_every_shipped_recipe_loads(recipe, tmp_path):
     # opd.toml distils a run the user trains first (runs/teacher): any existing directory stands in for it here
     overrides = [f"teacher.weights={tmp_path}"] if recipe.name == "opd.toml" else []
-    cfg = load_config(recipe, overrides)
+    cfg = load(recipe, overrides)
     assert isinstance(cfg, Config)
     assert cfg.train.steps > 0 and cfg.rollout.prompts_per_step > 0
 
@@ -156,7 +158,7 @@ def test_every_shipped_recipe_loads(recipe, tmp_path):
 def test_a_missing_teacher_run_is_named_with_how_to_make_it(tmp_path):
     with pytest.raises(ConfigError, match=r"teacher.weights = '.*nope': no such directory.*rollwise train "
                                           r"recipes/quickstart.toml --run-dir"):
-        load_config(RECIPES[0].parent / "opd.toml", [f"teacher.weights={tmp_path / 'nope'}"])
+        load(RECIPES[0].parent / "opd.toml", [f"teacher.weights={tmp_path / 'nope'}"])
 
 
 def test_there_is_at_least_one_recipe():
@@ -167,7 +169,7 @@ def test_there_is_at_least_one_recipe():
 
 
 def test_overrides_parse_numbers_bools_lists_and_strings():
-    cfg = load_config(None, [
+    cfg = load(None, [
         "train.steps=12",
         "train.lr=3e-4",
         "rollout.temperature=0.5",
@@ -196,22 +198,22 @@ def test_overrides_parse_numbers_bools_lists_and_strings():
 
 
 def test_override_whitespace_around_key_and_value_is_ignored():
-    cfg = load_config(None, [" train.steps = 4 "])
+    cfg = load(None, [" train.steps = 4 "])
     assert cfg.train.steps == 4
 
 
 def test_later_override_wins():
-    cfg = load_config(None, ["train.steps=4", "train.steps=9"])
+    cfg = load(None, ["train.steps=4", "train.steps=9"])
     assert cfg.train.steps == 9
 
 
 def test_override_value_may_contain_equals_sign():
-    cfg = load_config(None, ["data.system_prompt=a=b"])
+    cfg = load(None, ["data.system_prompt=a=b"])
     assert cfg.data.system_prompt == "a=b"
 
 
 def test_numeric_looking_override_for_a_string_field_stays_a_string():
-    cfg = load_config(None, ["run.name=2024", "data.system_prompt=42"])
+    cfg = load(None, ["run.name=2024", "data.system_prompt=42"])
     assert cfg.run.name == "2024" and cfg.data.system_prompt == "42"
 
 
@@ -230,7 +232,7 @@ def load_config_from_text(text: str) -> Config:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "config.toml"
         path.write_text(text)
-        return load_config(path, resolve=False)
+        return load_config(path)
 
 
 def test_to_toml_round_trips_defaults():
@@ -240,7 +242,7 @@ def test_to_toml_round_trips_defaults():
 
 def test_to_toml_round_trips_a_customised_config(tmp_path):
     (tmp_path / "eval.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
-    cfg = load_config(None, [
+    cfg = load(None, [
         "model.name=/tmp/some model",
         "data.system_prompt=Say \"hi\"\\n then\ttab, back\\\\slash and caf\u00e9",
         "data.ops=[\"*\"]",
@@ -271,10 +273,10 @@ def test_to_toml_writes_unset_values_as_comments_and_they_load_as_none():
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
 def test_to_toml_round_trips_every_recipe(recipe):
-    cfg = load_config(recipe, resolve=False)  # the TOML round trip, not the names (opd.toml's teacher is made later)
+    cfg = load_config(recipe)  # the TOML round trip, not the names (opd.toml's teacher is made later)
     assert _roundtrip(cfg) == cfg
 
 
 def test_to_toml_round_trips_non_bmp_characters():
-    cfg = load_config(None, ["data.system_prompt=Be nice \U0001F600"])
+    cfg = load(None, ["data.system_prompt=Be nice \U0001F600"])
     assert _roundtrip(cfg) == cfg

@@ -12,8 +12,9 @@ from helpers_tokenizer import tiny_tokenizer
 from rollwise.config import ConfigError
 from rollwise.control import Controller, staleness_metrics
 from rollwise.generate import TorchEngine
+from rollwise.generate.groups import FINAL, StopRule, is_complete, new_groups
 from rollwise.loop import StageTimer
-from rollwise.rollout import FINAL, LocalRollouts, StopRule, is_complete, new_groups, run_groups
+from rollwise.rollout import LocalRollouts, run_groups
 from rollwise.types import Prompt, RewardResult, Sample, SamplingParams, Status
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from helpers_tokenizer import DEFAULT_SYSTEM, tiny_tokenizer
 
-from rollwise.config import DataConfig, load_config
+from rollwise.validate import load
+from rollwise.config import DataConfig
 from rollwise.data import DatasetError, FileDataset, PromptEncoder, build_prompt_source, encode_prompt
 from rollwise.session import encode_eval_prompts
 from rollwise.types import Prompt
@@ -253,7 +254,7 @@ QUICKSTART = Path(__file__).resolve().parent.parent / "recipes" / "quickstart.to
 
 def quickstart_data(path, *overrides):
     """The default recipe with `data.path` set: its eval settings (eval.n = 200, data.eval_size = 512)."""
-    return load_config(QUICKSTART, [f'data.path="{path}"', *overrides])
+    return load(QUICKSTART, [f'data.path="{path}"', *overrides])
 
 
 def eval_set(cfg, tokenizer, to_stdout=True):

@@ -12,6 +12,7 @@ from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 from rollwise.config_distill import TeacherConfig
 from rollwise.data.prompts import PromptEncoder
+from rollwise.distill.terms import StepMarks
 from rollwise.distill.teacher import EngineTeacher, Teacher
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.types import Prompt, Sample, Status
@@ -36,18 +37,20 @@ def _both(tok, engine, model):
     encoder = PromptEncoder(tok, None, 256)
     cfg = TeacherConfig(weights="base", context="hint")
     on_engine, in_trainer = _samples(tok, encoder), _samples(tok, encoder)
-    EngineTeacher(engine, cfg, encoder).score(on_engine)
-    Teacher(model, cfg, encoder, tok.pad_token_id, 256).score(in_trainer)
-    return on_engine, in_trainer
+    engine_marks, trainer_marks = StepMarks(), StepMarks()
+    EngineTeacher(engine, cfg, encoder).score(on_engine, engine_marks)
+    Teacher(model, cfg, encoder, tok.pad_token_id, 256).score(in_trainer, trainer_marks)
+    return ([engine_marks.logprobs[id(s)] for s in on_engine], on_engine,
+            [trainer_marks.logprobs[id(s)] for s in in_trainer])
 
 
 def test_torch_engine_teacher_equals_the_trainer_teacher():
     tok = tiny_tokenizer()
     model = tiny_llama(len(tok), seed=4, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    on_engine, in_trainer = _both(tok, TorchEngine(model, tok, dtype=torch.float32), model)
-    for a, b in zip(on_engine, in_trainer):
-        assert len(a.teacher_logprobs) == len(a.response_ids)
-        assert a.teacher_logprobs == pytest.approx(b.teacher_logprobs, abs=1e-4)
+    on_engine, samples, in_trainer = _both(tok, TorchEngine(model, tok, dtype=torch.float32), model)
+    for a, s, b in zip(on_engine, samples, in_trainer):
+        assert len(a) == len(s.response_ids)
+        assert a == pytest.approx(b, abs=1e-4)
 
 
 @pytest.fixture
@@ -74,8 +77,8 @@ def test_vllm_engine_teacher_equals_the_trainer_teacher(tmp_path, restored_envir
     engine = VLLMEngine(tmp_path / "teacher", tok, dtype=torch.float32, max_batch_size=8, max_model_len=512,
                         options={"enforce_eager": True, "kv_cache_memory_bytes": 64 * 2**20})
     try:
-        on_engine, in_trainer = _both(tok, engine, model)
+        on_engine, _, in_trainer = _both(tok, engine, model)
     finally:
         engine.close()
     for a, b in zip(on_engine, in_trainer):
-        assert a.teacher_logprobs == pytest.approx(b.teacher_logprobs, abs=1e-3)
+        assert a == pytest.approx(b, abs=1e-3)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import read_rows, tiny_overrides
-from rollwise.config import ConfigError, load_config
-from rollwise.distill.stages import StagePlan
-from rollwise.distill.step import ROUTES, confidence, route, route_samples
+from rollwise.validate import load
+from rollwise.config import ConfigError
+from rollwise.distill.routing import ROUTES, confidence, route, route_samples
+from rollwise.distill.terms import StepMarks
 from rollwise.loop import train
 from rollwise.types import Prompt, Sample, Status
 
@@ -62,7 +63,7 @@ steps = 2
 def test_stages_switch_at_their_steps_and_each_trains_its_objective(tmp_path, tiny_model_dir):
     recipe = _recipe(tmp_path, tiny_model_dir, STAGES.format(demos=_demos(tmp_path / "demos.jsonl")),
                      **{"train.steps": 4, "teacher.weights": "base", "teacher.context": "hint"})
-    summary = _train(load_config(recipe), tmp_path / "run")
+    summary = _train(load(recipe), tmp_path / "run")
     rows = [r for r in read_rows(tmp_path / "run") if r["kind"] == "train"]
     assert [r["stage/index"] for r in rows] == [0, 0, 1, 1]
     assert [r["stage/step"] for r in rows] == [1, 2, 1, 2]
@@ -82,7 +83,7 @@ def test_sft_lowers_the_nll_of_repeated_demonstrations(tmp_path, tiny_model_dir)
     body = f'\n[[stage]]\nkind = "sft"\nsteps = 6\ndata = "{_demos(tmp_path / "d.jsonl", n=4)}"\n'
     recipe = _recipe(tmp_path, tiny_model_dir, body, **{"train.steps": 6, "rollout.prompts_per_step": 1,
                                                          "rollout.samples_per_prompt": 4, "train.lr": 3e-3})
-    _train(load_config(recipe), tmp_path / "run")
+    _train(load(recipe), tmp_path / "run")
     nll = [r["distill/sft_nll"] for r in read_rows(tmp_path / "run") if r["kind"] == "train"]
     assert nll[-1] < 0.8 * nll[0]  # the same 4 demonstrations every step: the model learns them
 
@@ -97,7 +98,7 @@ def test_a_run_resumed_mid_stage_ends_with_the_same_weights(tmp_path, tiny_model
     body = '\n[[stage]]\nkind = "rl"\nsteps = 1\n\n[[stage]]\nkind = "opsd"\nsteps = 3\n'
     overrides = {"train.steps": 4, "teacher.weights": "ema", "teacher.context": "hint", "teacher.ema_decay": 0.5,
                  "run.save_every_steps": 2}
-    cfg = load_config(_recipe(tmp_path, tiny_model_dir, body, **overrides))
+    cfg = load(_recipe(tmp_path, tiny_model_dir, body, **overrides))
     _train(cfg, tmp_path / "straight")
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight", resumed)
@@ -112,9 +113,9 @@ def test_a_run_resumed_mid_stage_ends_with_the_same_weights(tmp_path, tiny_model
 
 def test_teacher_stages_keep_groups_whose_rewards_are_all_equal(tmp_path, tiny_model_dir):
     # the tiny random model never answers arithmetic: every group has reward 0 everywhere
-    rl = load_config(None, tiny_overrides(tiny_model_dir))
+    rl = load(None, tiny_overrides(tiny_model_dir))
     _train(rl, tmp_path / "rl")
-    opd = load_config(None, tiny_overrides(tiny_model_dir, **{"teacher.weights": "base", "teacher.context": "hint"}))
+    opd = load(None, tiny_overrides(tiny_model_dir, **{"teacher.weights": "base", "teacher.context": "hint"}))
     _train(opd, tmp_path / "opd")
     rl_rows = [r for r in read_rows(tmp_path / "rl") if r["kind"] == "train"]
     opd_rows = [r for r in read_rows(tmp_path / "opd") if r["kind"] == "train"]
@@ -124,7 +125,7 @@ def test_teacher_stages_keep_groups_whose_rewards_are_all_equal(tmp_path, tiny_m
 
 
 def test_trb_warm_up_blends_then_anneals_to_the_student(tmp_path, tiny_model_dir):
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+    cfg = load(None, tiny_overrides(tiny_model_dir, **{
         "teacher.weights": "base", "teacher.context": "hint", "distill.trb_steps": 2, "distill.trb_budget": 0.5,
         "train.steps": 3, "algo.is_correction": "tis_token", "train.old_logprobs": "recompute"}))
     _train(cfg, tmp_path / "run")
@@ -136,7 +137,7 @@ def test_trb_warm_up_blends_then_anneals_to_the_student(tmp_path, tiny_model_dir
 
 
 def test_rollout_mixture_draws_some_samples_from_the_teacher(tmp_path, tiny_model_dir):
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+    cfg = load(None, tiny_overrides(tiny_model_dir, **{
         "teacher.weights": "base", "teacher.context": "hint", "distill.teacher_rollouts_per_group": 1,
         "algo.is_correction": "tis_token", "teacher.temperature": 0.7}))
     out = _train(cfg, tmp_path / "run")["stdout"]
@@ -148,13 +149,20 @@ def test_rollout_mixture_draws_some_samples_from_the_teacher(tmp_path, tiny_mode
 
 
 def test_stage_plan_boundaries():
+    from rollwise.config import Config
     from rollwise.config_distill import StageConfig, TeacherConfig
+    from rollwise.methods import MethodSetup
+    from rollwise.methods.plan import MethodPlan, plan_stages
+    from rollwise.methods.rl import RL
+    from rollwise.methods.sft import SFT
 
-    plan = StagePlan([StageConfig(kind="sft", steps=2), StageConfig(kind="rl", steps=3)], 5, TeacherConfig())
-    assert [plan.at(k).kind for k in range(6)] == ["sft", "sft", "rl", "rl", "rl", "rl"]
+    stages = plan_stages([StageConfig(kind="sft", steps=2), StageConfig(kind="rl", steps=3)], 5, TeacherConfig())
+    plan = MethodPlan(stages, MethodSetup(Config()))
+    assert [plan.at(k)[0].kind for k in range(6)] == ["sft", "sft", "rl", "rl", "rl", "rl"]
+    assert [type(plan.at(k)[1]) for k in (0, 2)] == [SFT, RL] and plan.at(0)[1] is plan.at(1)[1]  # one per kind
     assert [plan.starts_now(k) for k in range(5)] == [True, False, True, False, False]
-    assert StagePlan([], 4, TeacherConfig(weights="base", context="hint")).at(0).kind == "opsd"
-    assert StagePlan([], 4, TeacherConfig()).at(3).kind == "rl"
+    assert plan_stages([], 4, TeacherConfig(weights="base", context="hint"))[0].kind == "opsd"
+    assert plan_stages([], 4, TeacherConfig())[0].kind == "rl"
 
 
 @pytest.mark.parametrize("body, overrides, message", [
@@ -162,7 +170,7 @@ def test_stage_plan_boundaries():
     ('[[stage]]\nkind = "opd"\nsteps = 2\n', {}, "needs a teacher: set teacher.weights"),
     ('[[stage]]\nkind = "opsd"\nsteps = 2\n', {"teacher.weights": "base"}, "set teacher.context"),
     ('[[stage]]\nkind = "rl"\nsteps = 2\nlearning = 1\n', {}, r"unknown key 'stage.learning'.*\[\[stage\]\] number 1"),
-    ('[[stage]]\nkind = "dpo"\nsteps = 2\n', {}, "stage.0.kind"),
+    ('[[stage]]\nkind = "dpo"\nsteps = 2\n', {}, r"\[\[stage\]\] number 1: kind = 'dpo' is not a known method"),
     ("", {"teacher.weights": "live"}, "is the student itself"),
     ("", {"teacher.weights": "base", "distill.trb_steps": 2, "rollout.top_p": 0.9}, "top_p = 1"),
     ("", {"teacher.weights": "base", "distill.teacher_rollouts_per_group": 1}, "set algo.is_correction"),
@@ -172,12 +180,12 @@ def test_stage_plan_boundaries():
 ])
 def test_inconsistent_distillation_configs_fail_with_one_line(tmp_path, tiny_model_dir, body, overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(_recipe(tmp_path, tiny_model_dir, "\n" + body, **overrides))
+        load(_recipe(tmp_path, tiny_model_dir, "\n" + body, **overrides))
 
 
 def test_stage_tables_are_not_command_line_overrides(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"\[\[stage\]\] tables are set in the recipe file"):
-        load_config(None, tiny_overrides(tiny_model_dir) + ["stage.kind=rl"])
+        load(None, tiny_overrides(tiny_model_dir) + ["stage.kind=rl"])
 
 
 def _sample(correct: bool, logps: list[float]) -> Sample:
@@ -190,14 +198,15 @@ def test_self_routing_by_correctness_and_confidence():
     assert confidence(_sample(True, sure)) == pytest.approx(2.718281828 ** -0.03)
     assert [route(_sample(c, lp), 0.7) for c, lp in [(True, sure), (True, unsure), (False, unsure), (False, sure)]] \
         == ["skip", "grpo", "self_distill", "regularise"]
-    kept, metrics = route_samples([_sample(True, sure), _sample(False, unsure), _sample(False, sure)], 0.7)
-    assert [s.route for s in kept] == ["self_distill", "regularise"]
-    assert [s.loss_weights for s in kept] == [ROUTES["self_distill"], ROUTES["regularise"]]
+    marks = StepMarks()
+    kept, metrics = route_samples([_sample(True, sure), _sample(False, unsure), _sample(False, sure)], 0.7, marks)
+    assert [marks.routes[id(s)] for s in kept] == ["self_distill", "regularise"]
+    assert [marks.weight(s) for s in kept] == [ROUTES["self_distill"], ROUTES["regularise"]]
     assert metrics["route/skip_frac"] == pytest.approx(1 / 3) and metrics["route/grpo_frac"] == 0.0
 
 
 def test_rejection_sampling_keeps_correct_completed_responses():
-    from rollwise.distill.step import rejection_sampled
+    from rollwise.methods.sft import rejection_sampled
     from rollwise.types import Group
 
     samples = [_sample(True, [-1.0]), _sample(False, [-1.0]), _sample(True, [-1.0]), _sample(True, [-1.0])]
@@ -211,7 +220,7 @@ def test_rejection_sampling_keeps_correct_completed_responses():
 def test_the_collapse_stop_names_the_step_and_the_numbers():
     from rollwise.config import Config
     from rollwise.distill.guards import CollapseError
-    from rollwise.distill.step import Guards
+    from rollwise.distill.guards import Guards
 
     guards = Guards(Config.model_validate({"distill": {"guard_stop": True}}))
     guards.check_stop(3, {"distill/collapse_alarm": 0.0})  # no alarm: nothing happens
@@ -247,7 +256,7 @@ def test_a_bad_demonstration_row_stops_the_run_before_its_first_step(tmp_path, t
     bad = tmp_path / "demos.jsonl"
     bad.write_text('{"prompt": "What is 1 + 1?", "response": "2"}\n{"prompt": "What is 2 + 2?"}\n')
     body = f'\n[[stage]]\nkind = "rl"\nsteps = 1\n\n[[stage]]\nkind = "sft"\nsteps = 1\ndata = "{bad}"\n'
-    cfg = load_config(_recipe(tmp_path, tiny_model_dir, body, **{"train.steps": 2}))
+    cfg = load(_recipe(tmp_path, tiny_model_dir, body, **{"train.steps": 2}))
     with pytest.raises(DatasetError, match=r"demos.jsonl.*line 2.*'response'"):
         _train(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_rows(tmp_path / "run")

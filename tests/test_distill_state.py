@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from conftest import read_rows, tiny_overrides
-from rollwise.config import load_config
+
+from rollwise.validate import load
 from rollwise.distill.terms import StepTerms
 from rollwise.loop import train
 
@@ -43,36 +44,45 @@ def _run(cfg, run_dir: Path) -> None:
 
 def test_a_sample_routed_self_distill_trains_with_its_reward_advantage_when_replayed_in_an_rl_stage(
         tmp_path, tiny_model_dir, monkeypatch):
-    seen = []  # (stage is a teacher stage, samples of the micro-batch, the advantages the policy loss got)
-    real = StepTerms.advantages
+    from rollwise.train.terms import PolicyTerms
 
-    def spy(self, own_logp, mb, entropy=None):
-        out = real(self, own_logp, mb, entropy)
-        seen.append((self.teacher, list(mb.samples), out[0].detach().clone()))
+    seen = []  # (stage is a teacher stage, samples of the micro-batch, the advantages the policy loss got, routes)
+    real_teacher, real_plain = StepTerms.advantages, PolicyTerms.advantages
+
+    def spy_teacher(self, own_logp, mb, entropy=None):  # the opd stage's terms
+        out = real_teacher(self, own_logp, mb, entropy)
+        seen.append((self.teacher, list(mb.samples), out.detach().clone(),
+                     {id(s): self.marks.routes.get(id(s), "") for s in mb.samples}))
         return out
 
-    monkeypatch.setattr(StepTerms, "advantages", spy)
-    cfg = load_config(_recipe(tmp_path, tiny_model_dir, TWO_STAGES, **{
+    def spy_plain(self, own_logp, mb, entropy=None):  # the rl stage's: the plain policy terms, no marks
+        out = real_plain(self, own_logp, mb, entropy)
+        seen.append((False, list(mb.samples), out.detach().clone(), {id(s): "" for s in mb.samples}))
+        return out
+
+    monkeypatch.setattr(StepTerms, "advantages", spy_teacher)
+    monkeypatch.setattr(PolicyTerms, "advantages", spy_plain)
+    cfg = load(_recipe(tmp_path, tiny_model_dir, TWO_STAGES, **{
         "train.steps": 2, "teacher.weights": "base", "teacher.context": "hint", "distill.routing": "self_routing",
         "reward.fn": "toy_plugins:digit_fraction", "replay.kind": "hard_case", "replay.mix_ratio": 1.0,
         "replay.hard_reward_threshold": 2.0, "algo.is_correction": "tis_token", "eval.n": 0, "train.seed": 1}))
     _run(cfg, tmp_path / "run")
     key = lambda s: (s.group_id, tuple(s.response_ids))  # noqa: E731
-    routes = {key(s): s.route for teacher, samples, _ in seen if teacher for s in samples}
+    routes = {key(s): marks[id(s)] for teacher, samples, _, marks in seen if teacher for s in samples}
     assert "self_distill" in routes.values()  # the random model is unsure: wrong answers go to the teacher
-    replayed = [(s, adv[i]) for teacher, samples, adv in seen if not teacher
+    replayed = [(s, adv[i], marks[id(s)]) for teacher, samples, adv, marks in seen if not teacher
                 for i, s in enumerate(samples) if s.replayed]
-    routed = [(s, a) for s, a in replayed if routes.get(key(s)) == "self_distill" and s.advantage != 0]
+    routed = [(s, a, now) for s, a, now in replayed if routes.get(key(s)) == "self_distill" and s.advantage != 0]
     assert routed, "no sample routed self_distill with a nonzero advantage was replayed"
-    for s, a in routed:  # the rl stage's advantage is the stored outcome advantage, weight 1
+    for s, a, now in routed:  # the rl stage's advantage is the stored outcome advantage, weight 1
         assert float(a) == pytest.approx(s.advantage)
-        assert s.route == "" and s.teacher_logprobs == []
+        assert now == ""  # the rl step did not route it: what the teacher step decided stayed there
     rows = [r for r in read_rows(tmp_path / "run") if r["kind"] == "train"]
     assert rows[1]["replay/replayed_entries"] > 0
 
 
 def test_the_opd_gap_uses_the_students_untruncated_logprobs_under_top_p(tmp_path, tiny_model_dir):
-    cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+    cfg = load(None, tiny_overrides(tiny_model_dir, **{
         "teacher.weights": "base", "teacher.context": "hint", "train.old_logprobs": "behaviour",
         "rollout.top_p": 0.5, "rollout.samples_per_prompt": 2, "run.samples_logged_per_step": 100,
         "train.steps": 1, "eval.n": 0}))
@@ -104,7 +114,7 @@ def test_the_gkd_loss_of_a_run_is_continuous_at_beta_zero(tmp_path, tiny_model_d
     tok.save_pretrained(tmp_path / "teacher")
     values = {}
     for beta in (0.0, 1e-4):
-        cfg = load_config(None, tiny_overrides(tiny_model_dir, **{
+        cfg = load(None, tiny_overrides(tiny_model_dir, **{
             "teacher.weights": str(tmp_path / "teacher"), "distill.objective": "gkd", "distill.gkd_beta": beta,
             "train.steps": 1, "eval.n": 0}))
         _run(cfg, tmp_path / f"run-{beta}")

@@ -19,7 +19,7 @@ from rollwise.config_distill import TeacherConfig
 from rollwise.data.prompts import PromptEncoder
 from rollwise.distill.teacher import (Teacher, TeacherError, check_same_tokenizer, context_template,
                                       privileged_messages)
-from rollwise.distill.terms import StepTerms, gkd_topk, with_tail
+from rollwise.distill.terms import StepMarks, StepTerms, gkd_topk, with_tail
 from rollwise.train.batching import collate
 from rollwise.train.logprobs import response_hidden
 from rollwise.types import Prompt, Sample, Status
@@ -100,7 +100,8 @@ def test_teacher_scores_the_student_ids_exactly_behind_its_own_prompt(tok, share
     responses = [list(s.response_ids) for s in samples]
     cfg = TeacherConfig(weights="base", context=context, temperature=0.7)
     teacher = Teacher(teacher_model, cfg, encoder, tok.pad_token_id, micro_batch_tokens=64, share_prompt=share_prompt)
-    teacher.score(samples)
+    marks = StepMarks()
+    teacher.score(samples, marks)
     plain = tiny_llama(len(tok), seed=5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     for s, resp in zip(samples, responses):
         assert s.response_ids == resp  # never re-tokenised
@@ -108,27 +109,31 @@ def test_teacher_scores_the_student_ids_exactly_behind_its_own_prompt(tok, share
         hinted = tok.decode(teacher_ids)
         assert ("Hint: the correct answer is " + s.prompt.answer) in hinted if context == "hint" else teacher_ids == s.prompt_ids
         expected = _reference_logprobs(plain, teacher_ids, resp, temperature=0.7)
-        assert s.teacher_logprobs == pytest.approx(expected, abs=2e-5)
+        assert marks.logprobs[id(s)] == pytest.approx(expected, abs=2e-5)
 
 
 def test_topk_scores_are_the_teachers_largest_log_probs(tok):
     model = tiny_llama(len(tok), seed=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     encoder = PromptEncoder(tok, None, 256)
     samples = _samples(tok, encoder, n_prompts=1, per_prompt=2)
-    Teacher(model, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256, top_k=4).score(samples)
+    marks = StepMarks()
+    Teacher(model, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256, top_k=4).score(samples, marks)
     s = samples[0]
     ids = torch.tensor([s.prompt_ids + s.response_ids])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[len(s.prompt_ids) - 1:-1]  # [T, V]
     values, top_ids = logp.topk(4, dim=-1)
-    assert torch.tensor(s.teacher_topk[1]).tolist() == top_ids.tolist()
-    assert torch.tensor(s.teacher_topk[0]) == pytest.approx(values, abs=2e-5)
+    assert torch.tensor(marks.topk[id(s)][1]).tolist() == top_ids.tolist()
+    assert torch.tensor(marks.topk[id(s)][0]) == pytest.approx(values, abs=2e-5)
 
 
 def _micro_batch(tok, samples, teacher_logps):
+    """The micro-batch of `samples` and a step's marks holding their teacher log-probs."""
+    marks = StepMarks()
     for s, t in zip(samples, teacher_logps):
-        s.teacher_logprobs = t
-    return collate(samples, tok.pad_token_id)
+        marks.logprobs[id(s)] = t
+    marks.hold(samples)
+    return collate(samples, tok.pad_token_id), marks
 
 
 def test_opd_advantage_in_the_trainer_terms_is_hand_computed(tok):
@@ -138,10 +143,10 @@ def test_opd_advantage_in_the_trainer_terms_is_hand_computed(tok):
         s.advantage = a
     lens = [len(s.response_ids) for s in samples]
     teacher = [[-1.0] * lens[0], [-2.0] * lens[1]]
-    mb = _micro_batch(tok, samples, teacher)
+    mb, marks = _micro_batch(tok, samples, teacher)
     old = torch.full(mb.targets.shape, -1.5)
-    terms = StepTerms(teacher=True, coef=2.0, reward_weight=0.5)
-    adv, metrics = terms.advantages(old, mb)
+    terms = StepTerms(teacher=True, coef=2.0, reward_weight=0.5, marks=marks)
+    adv, metrics = terms.advantages(old, mb), terms.metrics()
     # A_t = 0.5 * A - 2 * (old - teacher): row 0: 0.25 - 2 * (-0.5) = 1.25; row 1: -0.5 - 2 * 0.5 = -1.5
     assert adv[0, :lens[0]].tolist() == pytest.approx([1.25] * lens[0])
     assert adv[1, :lens[1]].tolist() == pytest.approx([-1.5] * lens[1])
@@ -155,22 +160,24 @@ def test_teacher_equal_to_the_student_leaves_only_the_reward_advantage(tok):
     for s, a in zip(samples, (1.0, 0.0, -1.0)):
         s.advantage = a
     old = torch.randn(len(samples), max(len(s.response_ids) for s in samples))
-    mb = _micro_batch(tok, samples, [old[i, :len(s.response_ids)].tolist() for i, s in enumerate(samples)])
-    adv, metrics = StepTerms(teacher=True, coef=3.0, reward_weight=1.0).advantages(old, mb)
+    mb, marks = _micro_batch(tok, samples, [old[i, :len(s.response_ids)].tolist() for i, s in enumerate(samples)])
+    terms = StepTerms(teacher=True, coef=3.0, reward_weight=1.0, marks=marks)
+    adv, metrics = terms.advantages(old, mb), terms.metrics()
     expected = mb.advantages[:, None].expand_as(adv) * mb.loss_mask
     assert torch.allclose(adv, expected, atol=1e-6)
     assert metrics["distill/teacher_kl"] == pytest.approx(0.0, abs=1e-6)
-    pure, _ = StepTerms(teacher=True, reward_weight=0.0).advantages(old, mb)
+    pure = StepTerms(teacher=True, reward_weight=0.0, marks=marks).advantages(old, mb)
     assert torch.count_nonzero(pure) == 0  # pure OPD with teacher == student: nothing to learn
 
 
 def test_unscored_samples_get_no_teacher_term(tok):
     encoder = PromptEncoder(tok, None, 256)
     samples = _samples(tok, encoder, n_prompts=1, per_prompt=2)
-    samples[0].teacher_logprobs = [-9.0] * len(samples[0].response_ids)  # samples[1] was never scored
+    marks = StepMarks()
+    marks.logprobs[id(samples[0])] = [-9.0] * len(samples[0].response_ids)  # samples[1] was never scored
     samples[0].advantage = samples[1].advantage = 0.5
     mb = collate(samples, tok.pad_token_id)
-    adv, _ = StepTerms(teacher=True, reward_weight=1.0).advantages(torch.zeros(mb.targets.shape), mb)
+    adv = StepTerms(teacher=True, reward_weight=1.0, marks=marks).advantages(torch.zeros(mb.targets.shape), mb)
     n1 = len(samples[1].response_ids)
     assert adv[1, :n1].tolist() == pytest.approx([0.5] * n1)
     assert adv[0, 0] == pytest.approx(0.5 - 9.0)
@@ -181,15 +188,15 @@ def test_gkd_with_every_token_in_the_topk_equals_full_vocabulary_gkd(tok):
     teacher = tiny_llama(len(tok), seed=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     encoder = PromptEncoder(tok, None, 256)
     samples = _samples(tok, encoder, n_prompts=1, per_prompt=2)
-    Teacher(teacher, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256, top_k=len(tok)).score(samples)
+    marks = StepMarks()
+    Teacher(teacher, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256, top_k=len(tok)).score(samples,
+                                                                                                         marks)
     mb = collate(samples, tok.pad_token_id)
-    from rollwise.train.batching import add_distill_tensors
-
-    add_distill_tensors(mb, mb.samples, mb.targets.shape[1])
+    topk = marks.tensors(mb)[2]
     hidden = response_hidden(model, mb).detach().requires_grad_(True)
     head = model.get_output_embeddings().weight
     for beta in (0.0, 0.5, 1.0):
-        per_token = gkd_topk(hidden, head, mb, beta, temperature=1.0)
+        per_token = gkd_topk(hidden, head, mb, topk, beta, temperature=1.0)
         with torch.no_grad():
             t_logits = (response_hidden(teacher, mb) @ teacher.get_output_embeddings().weight.T)
         full, _ = algo.distill("gkd", hidden @ head.T, t_logits, torch.ones(t_logits.shape[0]), beta=beta)
@@ -210,15 +217,15 @@ def test_a_teacher_that_gives_nan_stops_with_the_row_named(tok):
         model.get_output_embeddings().weight[7].fill_(float("nan"))  # a broken teacher checkpoint
     encoder = PromptEncoder(tok, None, 256)
     samples = _samples(tok, encoder, n_prompts=1, per_prompt=2)
+    marks = StepMarks()
     with pytest.raises(TeacherError, match=r"rows.jsonl:0: the teacher gave NaN/Inf log-probs to \d+ response"):
-        Teacher(model, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256).score(samples)
-    assert all(not s.teacher_logprobs for s in samples)  # nothing half-scored is left behind
+        Teacher(model, TeacherConfig(weights="base"), encoder, tok.pad_token_id, 256).score(samples, marks)
+    assert not marks.logprobs  # nothing half-scored is left behind
 
 
-def test_samples_pickled_before_the_distillation_fields_still_batch(tok):
+def test_an_unmarked_batch_has_the_default_weights_and_no_teacher_tensors(tok):
+    """Samples a step did not mark (replayed ones): weights (1, 1, 0), no teacher log-probs, no top-k."""
     encoder = PromptEncoder(tok, None, 256)
-    old = _samples(tok, encoder, n_prompts=1, per_prompt=2)
-    for s in old:
-        del s.__dict__["teacher_logprobs"]  # as unpickled from a checkpoint written before this field
-    mb = collate(old, tok.pad_token_id)
-    assert mb.teacher_logp is None and mb.loss_weights.tolist() == [[1.0, 1.0, 0.0]] * 2
+    samples = _samples(tok, encoder, n_prompts=1, per_prompt=2)
+    weights, teacher, topk = StepMarks().tensors(collate(samples, tok.pad_token_id))
+    assert weights.tolist() == [[1.0, 1.0, 0.0]] * 2 and teacher is None and topk is None

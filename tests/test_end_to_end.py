@@ -12,7 +12,7 @@ import pytest
 
 from conftest import read_rows, tiny_config
 from rollwise.loop import rl_step, train
-from rollwise.session import open_run
+from rollwise.build import open_run
 from rollwise.types import Status
 from toy_plugins import digit_fraction, is_flaky_failure
 

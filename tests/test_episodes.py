@@ -15,9 +15,9 @@ from rollwise.data.prompts import encode_prompt
 from rollwise.envs.base import StepResult
 from rollwise.envs.episode import (EpisodeCodec, episode_metrics, final_text, finish_turn, run_episodes, start_episode,
                                    transcript)
+from rollwise.generate.groups import StopRule, new_groups
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.rewards import score_batch
-from rollwise.rollout import StopRule, new_groups
 from rollwise.types import GenerationResult, Prompt, SamplingParams, Status, ToolCall
 
 PROMPTS = [Prompt(f"p{i}", [{"role": "user", "content": text}], answer="1")

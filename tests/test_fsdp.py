@@ -24,7 +24,8 @@ from conftest import tiny_config
 from rollwise.models import load_model
 from rollwise.train.batching import split_by_tokens
 from rollwise.train.checkpoint import is_complete, save_checkpoint
-from rollwise.train.fsdp import SHARDS_DIR, FSDPTrainer, build_trainer, check_resume_backend
+from rollwise.train.fsdp import SHARDS_DIR, FSDPTrainer
+from rollwise.train.launch import build_trainer
 from rollwise.train.trainer import Trainer
 from rollwise.types import Prompt, Sample, Status
 
@@ -112,16 +113,15 @@ def two_runs(cfg, tiny_model_dir, tmp_path_factory):
             t1 = time.perf_counter()
             out["local"].append(local.step(copy.deepcopy(batch), version=version))
             out["time"].append((t1 - t0, time.perf_counter() - t1))
-        out["fsdp_weights"] = fsdp.policy_state_dict()
+        out["fsdp_weights"] = fsdp.policy_state()
         out["local_weights"] = weights(local.model)
         run_dir = tmp_path_factory.mktemp("fsdp-ckpt")
-        state = {"scheduler": fsdp.scheduler.state_dict(), "updates": fsdp.updates,
-                 "nonfinite_streak": fsdp.nonfinite_streak, "value_head": None, "fsdp": {"world_size": 2}}
-        out["ckpt"] = save_checkpoint(run_dir, 3, model, tokenizer, state, state_dict=fsdp.policy_state_dict(),
-                                      write_extra=lambda tmp: fsdp.save_shards(tmp / SHARDS_DIR))
+        state = {"step": 3, **fsdp.state_dict()}  # what the session saves of the backend
+        out["ckpt"] = save_checkpoint(run_dir, 3, model, tokenizer, state, state_dict=fsdp.checkpoint_weights(),
+                                      write_extra=fsdp.write_checkpoint)
         out["state"] = state
         out["step4"] = fsdp.step(copy.deepcopy(data[3]), version=3)
-        out["step4_weights"] = fsdp.policy_state_dict()
+        out["step4_weights"] = fsdp.policy_state()
     finally:
         fsdp.close()
     out["left_after_close"] = wait_no_children()
@@ -160,14 +160,12 @@ def resumed(cfg, two_runs):
     trainer = build_trainer(cfg, model, tokenizer.pad_token_id, ref_model, str(ckpt))
     out = {}
     try:
-        check_resume_backend(two_runs["state"], trainer)
-        state = two_runs["state"]
-        trainer.load_shards(ckpt / SHARDS_DIR, {k: state[k] for k in ("scheduler", "updates", "nonfinite_streak",
-                                                                      "value_head")})
+        trainer.load_state_dict(two_runs["state"], ckpt)
+        assert trainer.version == 3
         out["step4"] = trainer.step(copy.deepcopy(two_runs["data"][3]), version=3)
-        out["step4_weights"] = trainer.policy_state_dict()
-        out["other_world"] = pytest.raises(ValueError, check_resume_backend,
-                                           {"step": 3, "fsdp": {"world_size": 4}}, trainer)
+        out["step4_weights"] = trainer.policy_state()
+        out["other_world"] = pytest.raises(ValueError, trainer.load_state_dict,
+                                           {"step": 3, "fsdp": {"world_size": 4}}, ckpt)
         worker = trainer.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
@@ -187,8 +185,12 @@ def test_resumed_trainer_repeats_the_step_exactly(two_runs, resumed):
 
 def test_resume_on_another_world_size_or_backend_is_one_clear_error(two_runs, resumed):
     assert "sharded over 4 ranks, this run has 2; resume with train.world_size = 4" in str(resumed["other_world"].value)
+    from helpers_model import tiny_llama
+    from rollwise.config import AlgoConfig, TrainConfig
+
+    local = Trainer(tiny_llama(64), TrainConfig(), AlgoConfig(), pad_id=0)  # the local backend
     with pytest.raises(ValueError, match="train.backend = 'fsdp2' and train.world_size = 2"):
-        check_resume_backend(two_runs["state"], object())
+        local.load_state_dict(two_runs["state"], two_runs["ckpt"])
 
 
 def test_killed_rank_is_named_at_rank_0_and_nothing_is_left(resumed):

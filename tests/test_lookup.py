@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from rollwise.config import DataConfig, EnvConfig
-from rollwise.data.tasks import build_prompt_source
+from rollwise.data.sources import build_prompt_source
 from rollwise.envs import build_env
 from rollwise.envs.lookup import (
     ATTRIBUTES,

@@ -16,6 +16,7 @@ from rollwise.generate import TorchEngine  # noqa: E402
 from rollwise.train import lora  # noqa: E402
 from rollwise.train.batching import collate  # noqa: E402
 from rollwise.train.logprobs import token_logprobs  # noqa: E402
+from rollwise.train.lora_trainer import LoraTrainer  # noqa: E402
 from rollwise.train.trainer import Trainer  # noqa: E402
 from rollwise.types import GenerationRequest, Prompt, Sample, SamplingParams, Status  # noqa: E402
 
@@ -117,7 +118,7 @@ def test_a_trainer_step_moves_only_the_adapters(kl_coef):
     model, _ = _pair()
     _randomise_adapters(model)  # so that A gets a gradient too
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = Trainer(model, TrainConfig(lr=1e-2), AlgoConfig(kl_coef=kl_coef), pad_id=0)
+    trainer = LoraTrainer(model, TrainConfig(lr=1e-2), AlgoConfig(kl_coef=kl_coef), pad_id=0, tokenizer=None)
     assert [id(p) for p in trainer.optimizer.param_groups[0]["params"]] == \
         [id(p) for p in model.parameters() if p.requires_grad]
     metrics = trainer.step(_samples(model))
@@ -134,7 +135,8 @@ def test_reference_logprobs_are_the_base_models():
     _randomise_adapters(model)
     samples = _samples(model)
     mbs = [collate(samples, pad_id=0)]
-    lora_trainer = Trainer(model, TrainConfig(), AlgoConfig(kl_coef=0.1, kl_in_reward=True), pad_id=0)
+    lora_trainer = LoraTrainer(model, TrainConfig(), AlgoConfig(kl_coef=0.1, kl_in_reward=True), pad_id=0,
+                               tokenizer=None)
     copy_trainer = Trainer(model, TrainConfig(), AlgoConfig(kl_coef=0.1, kl_in_reward=True), pad_id=0, ref_model=base)
     (ref,) = lora_trainer._reference_logprobs(mbs)
     with torch.no_grad():
@@ -170,7 +172,7 @@ def test_torch_engine_after_a_merged_sync_gives_the_trainers_logprobs():
     engine = TorchEngine(tiny_llama(len(tok), seed=2, **kwargs), tok)  # built from the base, before LoRA
     model = lora.apply_lora(tiny_llama(len(tok), seed=2, **kwargs), LoraConfig(rank=RANK))
     _randomise_adapters(model, std=0.3)
-    engine.update_weights(lora.engine_state_dict(model), version=1)
+    engine.update_weights(lora.merged_state_dict(model), version=1)
     prompts = [tok(t, add_special_tokens=False).input_ids for t in ["What is 7 + 3?", "Compute 12 - 5."]]
     reqs = [GenerationRequest(i, p, SamplingParams(max_new_tokens=10, temperature=1.0)) for i, p in enumerate(prompts)]
     res = engine.generate(reqs)
@@ -248,7 +250,7 @@ def test_three_lora_steps_move_logprobs_with_the_advantage():
     with torch.no_grad():
         start, _ = token_logprobs(model, mb)
     base = _base_params(model)
-    trainer = Trainer(model, TrainConfig(lr=2e-2), AlgoConfig(kl_coef=0.05), pad_id=0)
+    trainer = LoraTrainer(model, TrainConfig(lr=2e-2), AlgoConfig(kl_coef=0.05), pad_id=0, tokenizer=None)
     metrics = [trainer.step(samples) for _ in range(3)]
     with torch.no_grad():
         end, _ = token_logprobs(model, mb)

@@ -18,8 +18,8 @@ from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 from rollwise.config import AlgoConfig, TrainConfig
 from rollwise.generate import GenerationProcess, TorchEngine
+from rollwise.generate.groups import make_groups, make_requests, merge_result
 from rollwise.generate.sampling import sample_with_full_logprobs
-from rollwise.rollout import make_groups, make_requests, merge_result
 from rollwise.train.batching import collate, current_version_mask
 from rollwise.train.logprobs import token_logprobs
 from rollwise.train.trainer import Trainer

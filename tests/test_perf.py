@@ -14,6 +14,7 @@ from conftest import tiny_config
 from rollwise.config import AlgoConfig, TrainConfig
 from rollwise.generate import TorchEngine
 from rollwise.train.batching import collate, split_by_tokens
+from rollwise.train.flops import reference_flops
 from rollwise.train.trainer import Trainer
 from rollwise.types import GenerationRequest, Prompt, SamplingParams, Sample, Status
 
@@ -82,8 +83,8 @@ def test_reference_pass_in_the_filter_stage_hand_computed():
     # responses 7, mean context (5 + 7 + 3) / 3 = 5 -> attention at 2.5
     shared = 3 + 2 + 7  # each prompt once in its row
     plain = 3 + 3 + 2 + 7  # every row repeats its prompt
-    assert perf.reference_flops(c, samples, 1024, share_prompt=True) == 200 * shared + 80 * shared + 80 * 7
-    assert perf.reference_flops(c, samples, 1024, share_prompt=False) == 200 * plain + 80 * plain + 80 * 7
+    assert reference_flops(c, samples, 1024, share_prompt=True) == 200 * shared + 80 * shared + 80 * 7
+    assert reference_flops(c, samples, 1024, share_prompt=False) == 200 * plain + 80 * plain + 80 * 7
     # the same real tokens the trainer's micro-batches hold (what kl_penalties runs on)
     for share, tokens in ((True, shared), (False, plain)):
         batches = split_by_tokens(samples, 1024, share_prompt=share)
@@ -150,7 +151,7 @@ def test_peak_of_each_dtype_and_thread_count_is_chosen(cache):
 
 def test_a_step_of_a_run_reports_its_passes_and_both_peaks(cache, tiny_model_dir):
     from rollwise.loop import rl_step
-    from rollwise.session import open_run
+    from rollwise.build import open_run
 
     _seed_peak(torch.float32, 1, 1000.0)  # the run uses 1 thread (model.threads = 1); no measurement here
     _seed_peak(torch.bfloat16, 1, 3000.0)
@@ -294,7 +295,8 @@ def test_padding_eff_counts_idle_slots_without_the_fused_decoder():
 @pytest.mark.slow
 def test_generation_process_reports_its_own_time_and_threads(cache):
     from rollwise.generate import GenerationProcess
-    from rollwise.rollout import ProcessRollouts, new_groups
+    from rollwise.generate.groups import new_groups
+    from rollwise.rollout import ProcessRollouts
 
     _seed_peak(torch.float32, 1, 1000.0)  # the child warms the peak of its threads: cached, so not measured
     tok = tiny_tokenizer()

@@ -9,7 +9,8 @@ from itertools import count
 import pytest
 
 from rollwise.config import DataConfig, EnvConfig
-from rollwise.data.tasks import TASKS, build_prompt_source
+from rollwise.data.sources import build_prompt_source
+from rollwise.data.tasks import TASKS
 from rollwise.envs import ENVS, EnvError, build_env
 from rollwise.envs.pyexec import FAMILIES, NO_CODE_FEEDBACK, PyExecEnv, build_problems
 from rollwise.rewards import REWARDS, score_samples
@@ -153,7 +154,7 @@ def test_an_episode_on_the_tiny_model_runs_turns_and_scores(task):
     from rollwise.data.prompts import encode_prompt
     from rollwise.envs.episode import EpisodeCodec, run_episodes
     from rollwise.generate.torch_engine import TorchEngine
-    from rollwise.rollout import new_groups
+    from rollwise.generate.groups import new_groups
     from rollwise.types import SamplingParams, Status
 
     tok = tiny_tokenizer()

@@ -31,7 +31,7 @@ from rollwise.cluster import (Cluster, EngineSpec, RemoteEngine, WorkerError, sp
 from rollwise.config import ClusterConfig  # noqa: E402
 from rollwise.generate.torch_engine import TorchEngine  # noqa: E402
 from rollwise.models import load_model  # noqa: E402
-from rollwise.sync import model_probe_logprobs  # noqa: E402
+from rollwise.models.probe import model_probe_logprobs  # noqa: E402
 from rollwise.types import GenerationRequest, Prompt, Sample, SamplingParams, Status  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -261,7 +261,7 @@ def make_samples(vocab: int, groups: int = 3, seed: int = 0) -> list[Sample]:
 
 def test_trainer_rank_actor_trains_with_rank_0_and_failures_name_the_rank(cluster, tiny_model_dir):
     from rollwise.train.distributed import Rendezvous, free_port
-    from rollwise.train.fsdp import build_trainer
+    from rollwise.train.launch import build_trainer
     from rollwise.train.trainer import Trainer
 
     cfg = tiny_config(tiny_model_dir, **{"train.backend": "fsdp2", "train.world_size": 2, "model.threads": 1,

@@ -15,8 +15,9 @@ import torch
 
 from conftest import read_rows, tiny_overrides
 from helpers_model import tiny_llama
+from rollwise.validate import load
 from rollwise import algo
-from rollwise.config import Config, TrainConfig, load_config
+from rollwise.config import Config, TrainConfig
 from rollwise.loop import train
 from rollwise.train.trainer import Trainer
 from rollwise.types import Prompt, Sample, Status
@@ -69,7 +70,7 @@ def test_recipe_runs_two_steps(name, tmp_path, tiny_model_dir):
         recipe = tmp_path / "sft_then_grpo.toml"
         recipe.write_text(re.sub(r"(\[\[stage\]\]\nkind = \"\w+\"\nsteps = )\d+", r"\g<1>1",
                                  (RECIPES / f"{name}.toml").read_text()))
-    cfg = load_config(recipe, tiny_overrides(tiny_model_dir, **overrides))
+    cfg = load(recipe, tiny_overrides(tiny_model_dir, **overrides))
     if name in ("dapo", "cispo"):
         cfg.algo.shaping = {"overlong_soft": {"cache_len": 4}}
     with contextlib.redirect_stdout(io.StringIO()):
@@ -88,11 +89,11 @@ def test_recipe_runs_two_steps(name, tmp_path, tiny_model_dir):
 def test_value_head_is_checkpointed_and_restored(tmp_path, tiny_model_dir):
     import torch
 
-    from rollwise.session import open_run
+    from rollwise.build import open_run
 
     overrides = {"reward.fn": "toy_plugins:digit_fraction", "eval.n": 0, "run.report": False,
                  "run.save_every_steps": 1, "run.name": None}
-    cfg = load_config(RECIPES / "ppo.toml", tiny_overrides(tiny_model_dir, **overrides))
+    cfg = load(RECIPES / "ppo.toml", tiny_overrides(tiny_model_dir, **overrides))
     with contextlib.redirect_stdout(io.StringIO()):
         train(cfg, tmp_path / "ppo")
     state = torch.load(tmp_path / "ppo" / "checkpoints" / "step-2" / "trainer_state.pt", weights_only=False)
@@ -144,7 +145,7 @@ def _clip_frac(cfg: Config, **train_overrides) -> tuple[float, dict]:
 
 @pytest.mark.parametrize("name", CLIPPING_RECIPES)
 def test_clipping_recipes_clip(name):
-    cfg = load_config(RECIPES / f"{name}.toml", [])
+    cfg = load(RECIPES / f"{name}.toml", [])
     assert cfg.train.minibatches_per_epoch * cfg.train.ppo_epochs > 1, name
     # lr 1e-2 (the recipe's is for the 135M model): the first update moves the tiny model's ratios out of the band
     clip_frac, metrics = _clip_frac(cfg, lr=1e-2)

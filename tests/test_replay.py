@@ -115,71 +115,60 @@ def test_none_keeps_nothing():
 
 def _routed_group(gid: int = 0):
     """A teacher-stage group after Self-Routing: rewards 1, 0, 0, 0 (advantages 0.75, -0.25 x 3), scored by the
-    teacher. Sample 0 is correct and confident (skip); sample 1 correct and unsure is impossible here (reward 0),
-    samples 1-3 are wrong and unsure (self_distill: reward weight 0 in their own step)."""
-    from rollwise.distill.step import ROUTES, route_samples
+    teacher. Sample 0 is correct and confident (skip); samples 1-3 are wrong and unsure (self_distill: reward
+    weight 0 in their own step). Returns (group, the samples kept for the update, the step's marks)."""
+    from rollwise.distill.routing import ROUTES, route_samples
+    from rollwise.distill.terms import StepMarks
 
-    g = group(gid, [1, 0, 0, 0])
+    g, marks = group(gid, [1, 0, 0, 0]), StepMarks()
     for i, s in enumerate(g.samples):
         s.correct = s.reward > 0
         s.full_logprobs = [-0.01] * 3 if i == 0 else [-1.5] * 3  # confidence 0.99 / 0.22 against 0.7
-        s.teacher_logprobs = [-2.0] * 3
-        s.teacher_topk = ([[-2.0]] * 3, [[5]] * 3)
-    kept, _ = route_samples(g.samples, 0.7)
-    assert [s.route for s in g.samples] == ["skip", "self_distill", "self_distill", "self_distill"]
-    assert all(s.loss_weights == ROUTES["self_distill"] for s in kept)
-    return g
+        marks.logprobs[id(s)] = [-2.0] * 3
+    kept, _ = route_samples(g.samples, 0.7, marks)
+    assert [marks.routes[id(s)] for s in g.samples] == ["skip", "self_distill", "self_distill", "self_distill"]
+    assert all(marks.weight(s) == ROUTES["self_distill"] for s in kept)
+    return g, kept, marks
 
 
 def test_a_self_distill_sample_replayed_in_an_rl_step_trains_with_its_stored_reward_advantage():
-    from rollwise.distill.terms import StepTerms
+    """What Self-Routing decided (reward weight 0) lives in that step's marks: the replayed copies carry none of
+    it, so a later rl step trains them on their stored reward advantage, and a teacher step gives them the reward
+    advantage times reward_weight and no teacher term (they are not re-scored)."""
+    from rollwise.distill.terms import StepMarks, StepTerms
     from rollwise.train.batching import collate
 
     buf = buffer("hard_case", mix_ratio=0.25, max_uses=1)
-    g = _routed_group()
-    buf.add([g], version=0)
+    g, kept, marks = _routed_group()
+    buf.add([g], version=0, trained=kept)
     replayed = buf.draw(version=1)
     assert len(replayed) == 3  # the skipped sample took no slot
-    assert [s.advantage for s in replayed] == [-0.25] * 3
-    assert all(s.replayed and s.route == "" and s.loss_weights == (1.0, 1.0, 0.0) for s in replayed)
-    assert all(s.teacher_logprobs == [] and s.teacher_topk is None for s in replayed)  # old scores are not fresh
+    assert [s.advantage for s in replayed] == [-0.25] * 3 and all(s.replayed for s in replayed)
+    assert not any(id(s) in marks.logprobs or id(s) in marks.weights for s in replayed)  # copies: unmarked
     mb = collate(replayed, pad_id=0)
-    rl, _ = StepTerms(teacher=False).advantages(mb.full_logp, mb)  # an rl stage: the reward advantage, weight 1
+    rl = StepTerms(teacher=False, marks=StepMarks()).advantages(mb.full_logp, mb)  # the reward advantage, weight 1
     assert rl.tolist() == [-0.25] * 3
-    opd, metrics = StepTerms(teacher=True, coef=1.0, reward_weight=0.5).advantages(mb.full_logp, mb)  # a teacher stage
-    assert opd.tolist() == [-0.125] * 3 and metrics == {}  # reward_weight x advantage, no teacher term
-    assert [s.route for s in g.samples][1:] == ["self_distill"] * 3  # the step's own samples keep their routes
+    terms = StepTerms(teacher=True, coef=1.0, reward_weight=0.5, marks=StepMarks())  # a teacher stage
+    assert terms.advantages(mb.full_logp, mb).tolist() == [-0.125] * 3  # reward_weight x advantage
+    assert terms.metrics() == {}  # no teacher term: nothing scored
+    assert [marks.routes[id(s)] for s in g.samples][1:] == ["self_distill"] * 3  # the step's own marks stand
 
 
 def test_ssr_never_stores_skipped_samples_and_drawn_copies_do_not_write_back():
     buf = buffer("ssr", mix_ratio=1.0, max_uses=2)
-    g = _routed_group()
+    g, kept, _ = _routed_group()
     g.samples[0].advantage = 5.0  # the largest |advantage|: ssr would favour it, but it was skipped
-    buf.add([g], version=0)
-    assert len(buf.entries) == 3 and all(e.samples[0].route == "" for e in buf.entries)
+    buf.add([g], version=0, trained=kept)
+    assert len(buf.entries) == 3 and all(e.samples[0].advantage == -0.25 for e in buf.entries)
     first = buf.draw(version=0, groups_dropped=1)
-    for s in first:  # a later step decides something about the replayed samples
-        s.loss_weights, s.route, s.teacher_logprobs = (0.0, 1.0, 0.0), "self_distill", [-1.0] * 3
+    for s in first:  # a later step changes the replayed samples
+        s.advantage, s.train_reward = 9.0, 9.0
     second = buf.draw(version=0, groups_dropped=1)
-    assert second and all(s.loss_weights == (1.0, 1.0, 0.0) and s.route == "" and not s.teacher_logprobs
-                          for s in second)
+    assert second and all(s.advantage == -0.25 and s.train_reward is None for s in second)
 
 
 def test_a_group_of_only_skipped_samples_is_not_stored():
     buf = buffer("hard_case")
-    g = _routed_group()
-    for s in g.samples[1:]:
-        s.route = "skip"
-    buf.add([g], version=0)
+    g, _, _ = _routed_group()
+    buf.add([g], version=0, trained=[])  # the method kept none of them
     assert buf.entries == []
-
-
-def test_samples_pickled_before_the_distillation_fields_replay_with_the_defaults():
-    buf = buffer("hard_case", mix_ratio=0.25)
-    g = group(0, [1, 0, 0, 0])
-    for s in g.samples:
-        for name in ("teacher_logprobs", "route", "loss_weights", "teacher_topk"):
-            s.__dict__.pop(name, None)  # as unpickled from a checkpoint written before these fields
-    buf.add([g], version=0)
-    drawn = buf.draw(version=1)
-    assert len(drawn) == 4 and all(s.loss_weights == (1.0, 1.0, 0.0) and s.teacher_logprobs == [] for s in drawn)

@@ -13,8 +13,10 @@ from test_trackers import (MLFLOW_ENV, isolate_env, mlflow_client, wandb_history
                            wandb_run_files)
 from typer.testing import CliRunner
 
+from rollwise.validate import load
 from rollwise.cli import app
-from rollwise.config import ConfigError, load_config, to_toml
+from rollwise.config import ConfigError, load_config
+from rollwise.config_toml import to_toml
 
 SERVICE_KEY = "sekrit-service-" + uuid.uuid4().hex
 SERVE_KEY = "sekrit-serve-" + uuid.uuid4().hex
@@ -43,21 +45,21 @@ def test_dry_run_prints_stars_and_no_secret(tmp_path, monkeypatch):
 
 
 def test_to_toml_drops_the_secret_and_reading_it_back_leaves_it_unset(tmp_path):
-    cfg = load_config(None, SECRETS, resolve=False)
+    cfg = load_config(None, SECRETS)
     assert cfg.rollout.service_api_key.get_secret_value() == SERVICE_KEY
     text = to_toml(cfg)
     assert SERVICE_KEY not in text and SERVE_KEY not in text
     (tmp_path / "config.toml").write_text(text)
-    again = load_config(tmp_path / "config.toml", resolve=False)
+    again = load_config(tmp_path / "config.toml")
     assert again.rollout.service_api_key is None and again.serve.api_key is None
     assert SERVICE_KEY not in repr(cfg) and SERVICE_KEY not in str(cfg.rollout)
 
 
 def test_a_numeric_looking_key_stays_text_and_a_bad_one_is_not_echoed(tmp_path):
-    assert load_config(None, ["serve.api_key=12345"], resolve=False).serve.api_key.get_secret_value() == "12345"
+    assert load_config(None, ["serve.api_key=12345"]).serve.api_key.get_secret_value() == "12345"
     (tmp_path / "r.toml").write_text('[serve]\napi_key = ["sekrit-in-a-list"]\n')
     with pytest.raises(ConfigError) as info:
-        load_config(tmp_path / "r.toml", resolve=False)
+        load_config(tmp_path / "r.toml")
     assert "serve.api_key: Input should be a valid string; got ***" in str(info.value)
     assert "sekrit-in-a-list" not in str(info.value)
 
@@ -67,7 +69,7 @@ def test_tracker_hyperparameters_hold_stars_not_the_secret(tmp_path, monkeypatch
     from rollwise.metrics.sinks import MLFLOW_ID_FILE
 
     isolate_env(monkeypatch, *MLFLOW_ENV)
-    cfg = load_config(None, SECRETS, resolve=False)
+    cfg = load_config(None, SECRETS)
     with build_sinks(["tensorboard", "wandb", "mlflow"], tmp_path, "secret-run", cfg.model_dump(mode="json")) as s:
         s.write({"step": 1, "reward/mean": 0.5})
     assert files_holding(tmp_path, SERVICE_KEY, SERVE_KEY) == []
@@ -91,7 +93,7 @@ def test_a_service_run_writes_no_key_and_resumes_with_the_key_from_the_environme
 
     isolate_env(monkeypatch, *MLFLOW_ENV, "ROLLWISE_API_KEY")
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, tiny_overrides(tiny_model_dir))
+    cfg = load(None, tiny_overrides(tiny_model_dir))
     engine, tok = load_engine(cfg, tmp_path / "serve")
     service = build_service(cfg, engine, tok, str(tiny_model_dir), SERVICE_KEY)
     server = RunningServer(create_app(service))

@@ -17,7 +17,8 @@ import torch
 from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 
-from rollwise.config import load_config
+
+from rollwise.validate import load
 from rollwise.data.prompts import encode_prompt
 from rollwise.envs.base import StepResult
 from rollwise.generate.torch_engine import TorchEngine
@@ -79,7 +80,7 @@ def tiny():
 def start(tiny, **serve):
     model, tok = tiny
     overrides = [f"serve.{k}={v}" for k, v in serve.items()]
-    cfg = load_config(None, overrides + ['env.options={}', "env.max_episode_tokens=96", "rollout.max_new_tokens=8"])
+    cfg = load(None, overrides + ['env.options={}', "env.max_episode_tokens=96", "rollout.max_new_tokens=8"])
     service = build_service(cfg, TorchEngine(model, tok, max_batch_size=64), tok, "tiny", KEY)
     server = RunningServer(create_app(service))
     return service, server

@@ -10,7 +10,7 @@ from conftest import read_rows, tiny_config
 from test_serve import KEY, ScriptedEnv, trainer_logprobs
 
 from rollwise.envs.episode import episode_metrics
-from rollwise.rollout import new_groups
+from rollwise.generate.groups import new_groups
 from rollwise.serve.app import RunningServer, create_app
 from rollwise.serve.cli import build_service, load_engine
 from rollwise.serve.client import ServiceError, ServiceRollouts

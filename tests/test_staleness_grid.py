@@ -28,9 +28,10 @@ from conftest import tiny_config
 from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 from rollwise.control import Controller
-from rollwise.generate import TorchEngine
+from rollwise.generate import EngineCaps, TorchEngine
+from rollwise.generate.groups import is_complete, oldest_version
 from rollwise.loop import StageTimer
-from rollwise.rollout import LocalRollouts, is_complete, oldest_version
+from rollwise.rollout import LocalRollouts
 from rollwise.types import GenerationRequest, GenerationResult, Group, Prompt, RewardResult, Status
 
 MAX_NEW_TOKENS = 32
@@ -67,6 +68,8 @@ class ScriptedEngine:
     writes it as its first token, so a continued response keeps its length. Log-probs are all -1.0.
     """
 
+    caps = EngineCaps(continue_aborted=True)
+
     def __init__(self, length_of: LengthFn, seed: int = 0, max_batch_size: int = 16):
         self.version = 0
         self.stats = ScriptedStats()
@@ -78,6 +81,9 @@ class ScriptedEngine:
 
     def abort(self, request_ids: list[int]) -> None:
         self._aborted.update(request_ids)
+
+    def close(self) -> None:
+        pass
 
     def generate(self, requests: list[GenerationRequest], on_finish=None) -> list[GenerationResult]:
         results: dict[int, GenerationResult] = {}

@@ -28,6 +28,30 @@ def arith0():
 
 def test_registry_has_builtin_tasks():
     assert {"arith", "letters"} <= set(TASKS.names())
+
+
+def test_tool_tasks_are_listed_without_importing_envs():
+    """`data` never imports `envs`: the tool tasks are registered by dotted name and imported on first use."""
+    import subprocess
+
+    code = ("import sys; from rollwise.data import TASKS; from rollwise.rewards import REWARDS; "
+            "assert 'rollwise.envs' not in sys.modules, 'data imported envs'; "
+            "assert {'calc', 'lookup', 'pyexec'} <= set(TASKS.names()) and 'lookup' in REWARDS.names(); "
+            "task = TASKS.get('lookup'); assert 'rollwise.envs.lookup' in sys.modules and task.__name__ == "
+            "'lookup_task'; assert REWARDS.get('lookup').__name__ == 'lookup_reward'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_lazy_entry_is_one_name_like_any_other():
+    from rollwise.registry import Registry
+
+    registry = Registry("thing")
+    registry.register_lazy("later", "rollwise.data.tasks:letters_task")
+    assert "later" in registry and registry.names() == ["later"]
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("later")(lambda: None)
+    assert registry.get("later") is registry.get("later") and registry.items() == [("later", registry.get("later"))]
     assert isinstance(build_prompt_source(DataConfig(task="letters"), 0), LettersTask)
 
 

@@ -12,9 +12,10 @@ from rollwise.config import Config, EnvConfig
 from rollwise.data.prompts import encode_prompt
 from rollwise.envs import build_env
 from rollwise.envs.episode import EpisodeCodec, episode_metrics, run_episodes, transcript
+from rollwise.generate import EngineCaps
+from rollwise.generate.groups import new_groups
 from rollwise.loop import assign_advantages
 from rollwise.rewards import REWARDS, score_batch
-from rollwise.rollout import new_groups
 from rollwise.types import GenerationResult, Prompt, SamplingParams, Status
 
 UNKNOWN = '<tool_call>{"name": "search", "arguments": {"query": "123*45"}}</tool_call>'
@@ -26,11 +27,15 @@ class ScriptedTextEngine:
     """Writes the next scripted assistant message for each request (one episode at a time)."""
 
     version = 0
+    caps = EngineCaps()  # it ignores `response_ids`: it cannot continue an aborted request
 
     def __init__(self, tokenizer, messages: list[str]) -> None:
         self.tokenizer, self.messages = tokenizer, list(messages)
 
     def abort(self, request_ids) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
     def generate(self, requests, on_finish=None):

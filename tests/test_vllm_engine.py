@@ -360,7 +360,7 @@ def test_episodes_on_vllm_equal_the_torch_engine_and_continue_after_abort(engine
 
     from rollwise.data.prompts import encode_prompt
     from rollwise.envs.episode import EpisodeCodec, run_episodes
-    from rollwise.rollout import StopRule, new_groups
+    from rollwise.generate.groups import StopRule, new_groups
     from test_episodes import PROMPTS, EchoEnv
 
     engine, _ = engines["tied"]

@@ -58,6 +58,12 @@ def is_token_advantage(name: str) -> bool:
     return name in TOKEN_ADVANTAGES.names()
 
 
+def is_group_advantage(name: str) -> bool:
+    """An outcome estimator (`ADVANTAGES`, built-in or plugin): it compares the rewards of a prompt's samples
+    (a group with equal rewards has no signal), as opposed to a token-level one with a critic (`gae`)."""
+    return not is_token_advantage(name)
+
+
 def advantage(name: str, rewards: torch.Tensor, group_ids: torch.Tensor, **options) -> torch.Tensor:
     """Advantages from rewards: `[N]` for outcome estimators.
 
@@ -127,6 +133,7 @@ def shape_rewards(
 
 
 __all__ = [
+    "is_group_advantage",
     "ADVANTAGES",
     "AGGREGATIONS",
     "IS_CORRECTIONS",

@@ -22,6 +22,7 @@ import torch
 
 from rollwise.cluster.errors import WorkerError, worker_error
 from rollwise.cluster.worker import EngineSpec, EngineWorker
+from rollwise.generate.base import EngineCaps
 from rollwise.generate.torch_engine import EngineStats
 from rollwise.types import GenerationRequest, GenerationResult
 
@@ -54,6 +55,14 @@ def split_requests(requests: list[GenerationRequest], workers: int) -> list[list
     return shares
 
 
+def remote_caps(kind: str) -> EngineCaps:
+    """What `RemoteEngine` offers over workers of engine `kind`: torch workers take tensors through the object
+    store (one ray.put); vLLM workers reload folders and serve LoRA adapters. Every worker probes (the check
+    compares them), continues aborted requests, reloads a folder and keeps its RNG state (None for vLLM's)."""
+    return EngineCaps(probe_logprobs=True, continue_aborted=True, reload_from=True, rng_state=True,
+                      adapters=kind == "vllm", tensors=kind == "torch")
+
+
 class RemoteEngine:
     """The engine contract over `len(bundles)` engine worker actors in a `Cluster`.
 
@@ -62,7 +71,12 @@ class RemoteEngine:
         spec: what each worker builds.
         bundles: which engine bundles to use (default: all of them, one worker each).
         own_cluster: close the cluster with this engine (`RemoteEngine.start` does).
+
+    `caps` is `remote_caps(spec.engine)`; the class's own lists every ability some worker kind gives.
     """
+
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, adapters=True, reload_from=True, rng_state=True,
+                      tensors=True)
 
     def __init__(self, cluster, spec: EngineSpec, bundles: list[int] | None = None, own_cluster: bool = False,
                  start_timeout_s: float = _START_TIMEOUT_S):
@@ -90,11 +104,9 @@ class RemoteEngine:
         self.dtype = infos[0]["dtype"]
         self.device = torch.device(infos[0]["device"])
         self._version = infos[0]["version"]
-        # Sync: torch workers take tensors through the object store (one ray.put), vLLM workers reload folders
-        self.model_dir = Path(spec.model_dir)
-        self.accepts_tensors = spec.engine == "torch"
-        if spec.engine == "vllm":  # LoRA adapters are served by vLLM itself (the Sync stage looks for this)
-            self.update_adapter = self._update_adapter
+        self.caps = remote_caps(spec.engine)
+        self.model_dir = Path(spec.model_dir)  # reload_from: config files next to synced weights
+        self.sync_dir = None  # the Sync stage gives the folder
 
     @classmethod
     def start(cls, cfg, model_dir: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32,
@@ -226,7 +238,10 @@ class RemoteEngine:
         self._all(lambda a: a.reload_from.remote(str(path), version))
         self._version = version
 
-    def _update_adapter(self, adapter_dir: str | Path, version: int) -> None:
+    def update_adapter(self, adapter_dir: str | Path, version: int) -> None:
+        """Every worker samples later calls with the PEFT adapter in `adapter_dir` (vLLM workers only)."""
+        if not self.caps.adapters:
+            raise ValueError(f"{self.spec.engine} engine workers do not serve LoRA adapters; sync merged weights")
         self._check_open()
         self._version = None
         self._all(lambda a: a.update_adapter.remote(str(adapter_dir), version))
@@ -245,11 +260,12 @@ class RemoteEngine:
                                    "the last weight sync")
         return probes[0]
 
-    def rng_states(self) -> list:
-        """Each worker's sampling-generator state (for checkpoints); `set_rng_states` restores them."""
+    def rng_state(self) -> list:
+        """The list of the workers' sampling-generator states, in worker order (None for a worker whose engine
+        keeps none: vLLM); `set_rng_state` restores them."""
         return self._all(lambda a: a.rng_state.remote())
 
-    def set_rng_states(self, states: list) -> None:
+    def set_rng_state(self, states: list) -> None:
         if len(states) != len(self.actors):
             raise ValueError(f"{len(states)} engine generator states for {len(self.actors)} engine workers: "
                              "resume with the same cluster.engine_workers")

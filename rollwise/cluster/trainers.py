@@ -1,4 +1,4 @@
-"""Trainer ranks 1..N-1 as Ray actors, each running `rollwise.train.distributed.worker_main`.
+"""Trainer ranks 1..N-1 as Ray actors, each running `rollwise.train.launch.worker_main`.
 
 Rank 0 is the driver process (it runs the loop and is `torch.distributed`'s master at `master_addr:master_port`);
 the actors join its process group and follow its commands until it sends ("close",). A rank whose call raises
@@ -21,7 +21,7 @@ class TrainerRank:
 
     def run(self, rank: int, world_size: int, master_addr: str, master_port: int, cfg_json: str,
             model_path: str):
-        from rollwise.train.distributed import worker_main
+        from rollwise.train.launch import worker_main
 
         return worker_main(rank, world_size, master_addr, master_port, cfg_json, model_path)
 

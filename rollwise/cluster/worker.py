@@ -151,7 +151,7 @@ class EngineWorker:
     def reload_from(self, path: str, version: int) -> None:
         """Load the weights of a safetensors folder as `version` (the engine's own reload where it has one)."""
         with self._engine_lock:
-            if hasattr(self.engine, "reload_from"):
+            if self.engine.caps.reload_from:
                 self.engine.reload_from(path, version)
             else:
                 self.engine.update_weights(_read_safetensors(Path(path)), version)
@@ -165,27 +165,20 @@ class EngineWorker:
             self.engine.version = version
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        with self._engine_lock:
-            if hasattr(self.engine, "probe_logprobs"):
-                return list(self.engine.probe_logprobs(token_ids))
-            from rollwise.sync import model_probe_logprobs
+        with self._engine_lock:  # both worker engines (torch, vllm) have caps.probe_logprobs
+            return list(self.engine.probe_logprobs(token_ids))
 
-            return model_probe_logprobs(self.engine.model, token_ids)
+    def rng_state(self):
+        """The engine's sampling RNG state; None for an engine that keeps none (vLLM)."""
+        return self.engine.rng_state() if self.engine.caps.rng_state else None
 
-    def rng_state(self) -> torch.Tensor | None:
-        generator = getattr(self.engine, "generator", None)
-        return generator.get_state() if generator is not None else None
-
-    def set_rng_state(self, state: torch.Tensor | None) -> None:
-        generator = getattr(self.engine, "generator", None)
-        if generator is not None and state is not None:
-            generator.set_state(state)
+    def set_rng_state(self, state) -> None:
+        if state is not None and self.engine.caps.rng_state:
+            self.engine.set_rng_state(state)
 
     def close(self) -> None:
         with self._engine_lock:
-            close = getattr(self.engine, "close", None)
-            if close is not None:
-                close()
+            self.engine.close()
 
 
 def _assigned_cpus() -> int:

@@ -8,15 +8,8 @@
 
 from rollwise.data.files import DatasetError, FileDataset, load_prompts
 from rollwise.data.prompts import PromptEncoder, encode_prompt, render_prompt
-from rollwise.data.tasks import (
-    TASKS,
-    ArithTask,
-    LettersTask,
-    ProceduralTask,
-    PromptSource,
-    build_prompt_source,
-    load_words,
-)
+from rollwise.data.sources import build_prompt_source
+from rollwise.data.tasks import TASKS, ArithTask, LettersTask, ProceduralTask, PromptSource, load_words
 
 __all__ = [
     "TASKS",

@@ -20,6 +20,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator
 
+from rollwise.errors import UserError
 from rollwise.config import DataConfig
 from rollwise.data.tasks import EVAL_SEED
 from rollwise.types import Prompt
@@ -28,7 +29,7 @@ ROLES = ("system", "user", "assistant")
 SUFFIXES = (".jsonl", ".parquet")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset file is missing, unreadable or has a bad row; the message says where and what was expected."""
 
 

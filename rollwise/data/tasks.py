@@ -45,6 +45,10 @@ class PromptSource(Protocol):
 
 TaskFactory = Callable[[DataConfig, int], PromptSource]
 TASKS: Registry[TaskFactory] = Registry("task")
+# The tool tasks live beside their environments (rollwise.envs), imported on first use: data never imports envs.
+TASKS.register_lazy("calc", "rollwise.envs.calc:calc_task")
+TASKS.register_lazy("lookup", "rollwise.envs.lookup:lookup_task")
+TASKS.register_lazy("pyexec", "rollwise.envs.pyexec:pyexec_task")
 
 
 def user_prompt(uid: str, text: str, answer: str, source: str, info: dict[str, Any]) -> Prompt:
@@ -378,33 +382,3 @@ class LettersTask(ProceduralTask):
 def letters_task(cfg: DataConfig, seed: int) -> LettersTask:
     """Built-in letters task (see `LettersTask`)."""
     return LettersTask(cfg, seed)
-
-
-# --------------------------------------------------------------------------------------------- build
-
-
-def build_prompt_source(cfg: DataConfig, seed: int) -> PromptSource:
-    """The file dataset at `cfg.path` when set, else the task `cfg.task` (built-in or 'pkg.mod:factory').
-
-    `data.split` other than "prompt" needs a source that declares it in `splits` (the built-in arith task; a
-    plugin task that implements it sets `splits = ("prompt", "fact")`); any other fails here with a line
-    naming `data.split`. Optional source attributes used by the run: `num_eval` (held-out split size, to cap
-    `eval.n`) and `split_summary()` (the start-of-run data line).
-    """
-    if cfg.path is not None:
-        from rollwise.data.files import FileDataset
-
-        return FileDataset(cfg, seed)
-    factory = TASKS.get(cfg.task)
-    source = factory(cfg, seed)
-    missing = [a for a in ("name", "default_reward", "train_prompt", "eval_prompts") if not hasattr(source, a)]
-    if missing:
-        raise TypeError(
-            f"task {cfg.task!r} returned {type(source).__name__}, which lacks {', '.join(missing)}; "
-            f"a task factory must return a PromptSource (name, default_reward, train_prompt, eval_prompts)"
-        )
-    check_split(cfg.split, cfg.task, tuple(getattr(source, "splits", ("prompt",))))
-    return source
-
-
-import rollwise.envs  # noqa: E402,F401  (registers the tasks kept beside their envs: calc, lookup; cycle-safe)

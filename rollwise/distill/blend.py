@@ -32,9 +32,7 @@ class BlendedRollouts:
                  teacher_per_group: int, seed: int):
         self.inner, self.student, self.teacher, self.tokenizer = inner, student, teacher, tokenizer
         self.warmup_steps, self.budget0, self.teacher_per_group, self.seed = warmup_steps, budget0, teacher_per_group, seed
-        self.engine = getattr(inner, "engine", None)
-        self.stats = inner.stats
-        self.episodes = getattr(inner, "episodes", None)
+        self.engine, self.stats, self.episodes, self.threads = inner.engine, inner.stats, inner.episodes, inner.threads
         self._jobs: dict[int, tuple] = {}
         self.last: dict[str, float] = {}
 
@@ -42,7 +40,8 @@ class BlendedRollouts:
         self._jobs[job] = (groups, params, min_version, stop)
 
     def wait(self, job: int):
-        from rollwise.rollout import FINAL, GenerateStats, JobResult
+        from rollwise.generate.groups import FINAL, GenerateStats
+        from rollwise.rollout import JobResult
 
         groups, params, min_version, stop = self._jobs.pop(job)
         start, version = time.perf_counter(), self.inner.engine.version

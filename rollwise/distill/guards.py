@@ -16,6 +16,10 @@ import math
 
 import torch
 
+from rollwise.types import Sample
+
+from rollwise.errors import UserError
+
 PREFIX = "distill/"
 
 
@@ -101,7 +105,7 @@ def gap_metrics(gap: torch.Tensor, mask: torch.Tensor, entropy: torch.Tensor | N
     return out
 
 
-class CollapseError(RuntimeError):
+class CollapseError(UserError, RuntimeError):
     """Raised by `CollapseGuard(stop=True)` on a truncation-collapse alarm; the message says what to change."""
 
 
@@ -166,3 +170,41 @@ class CollapseGuard:
         self.baseline_lens = [float(length) for length in state["baseline_lens"]][: self.window_steps]
         self.steps_seen = int(state["steps_seen"])
         self.alarmed = bool(state["alarmed"])
+
+
+class Guards:
+    """The run's guards (`[distill] guard_*`): per-step guard metrics of the responses (`rollout/repetition_rate`) and the truncation-collapse alarm."""
+
+    def __init__(self, cfg) -> None:
+        d = cfg.distill
+        self.collapse = CollapseGuard(window_steps=d.guard_window_steps, length_rise=d.guard_length_rise,
+                                      repetition=d.guard_repetition)  # the loop stops (after a checkpoint)
+        self.stop = d.guard_stop
+
+    def alarmed(self, row: dict) -> bool:
+        """This step's row raised the collapse alarm and `distill.guard_stop` asks to stop on it."""
+        return self.stop and row.get("distill/collapse_alarm") == 1.0
+
+    def check_stop(self, step: int, row: dict) -> None:
+        """`distill.guard_stop`: CollapseError when this step's row raised the alarm (the loop saved first)."""
+        if self.stop and row.get("distill/collapse_alarm") == 1.0:
+            raise CollapseError(f"step {step}: stopped at the truncation-collapse alarm (distill.guard_stop = true; "
+                                f"mean length {row.get('rollout/response_len_mean', 0):.1f}, repetition rate "
+                                f"{row.get('rollout/repetition_rate', 0):.2f}); the checkpoint of this step is saved")
+
+    def observe(self, step: int, samples: list[Sample], row: dict, alarm: bool = True) -> dict[str, float]:
+        """`rollout/repetition_rate` (repeated 4-grams of the policy's tokens) of this step's responses; with
+        `alarm` (teacher stages) the collapse guard's `distill/collapse_alarm` and `distill/len_rise` too."""
+        responses = [[t for t, m in zip(s.response_ids, s.loss_mask) if m] for s in samples]
+        rate = repetition_rate(responses, n=4)
+        out = {"rollout/repetition_rate": rate}
+        if alarm and samples:
+            out.update(self.collapse.observe(step, row.get("rollout/response_len_mean", 0.0), rate,
+                                             row.get("rollout/truncated_frac", 0.0)))
+        return out
+
+    def state_dict(self) -> dict:
+        return self.collapse.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.collapse.load_state_dict(state)

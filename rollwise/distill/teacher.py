@@ -1,7 +1,8 @@
 """Teachers: score the student's sampled response ids, token by token, behind the teacher's own prompt.
 
-`Teacher.score(samples)` sets on each sample `teacher_logprobs` (`[T]`, the teacher's log-prob of each response
-token at `teacher.temperature`) and, for GKD, `teacher_topk` (`([T][k] log-probs, [T][k] ids)`). The response
+`Teacher.score(samples, marks)` records in the step's `StepMarks` (rollwise.distill.terms), by sample, the
+teacher's log-prob of each response token at `teacher.temperature` (`[T]`) and, for GKD, its top-k
+(`([T][k] log-probs, [T][k] ids)`); nothing is written on the samples. The response
 ids are used exactly as sampled (never decoded and re-tokenised); only the prompt changes when the teacher has a
 privileged context (`teacher.context`, on-policy self-distillation, OPSD). The responses of one prompt share one
 teacher prefill: they are packed into one row behind the prompt (`rollwise.train.batching`, prompt-shared rows).
@@ -21,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from rollwise.errors import UserError
 from rollwise.config_distill import TeacherConfig
 from rollwise.data.prompts import PromptEncoder
+from rollwise.distill.terms import StepMarks
 from rollwise.models import model_info
 from rollwise.perf import FlopCounter
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
@@ -37,7 +40,7 @@ CONTEXTS = {
 FIELDS = ("prompt", "answer", "solution")
 
 
-class TeacherError(ValueError):
+class TeacherError(UserError, ValueError):
     """A teacher cannot be built or cannot score a row; the message names the key, path or row."""
 
 
@@ -146,10 +149,12 @@ class Teacher:
         return ids
 
     @torch.no_grad()
-    def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Set `teacher_logprobs` (and `teacher_topk` when `top_k`) on every sample; returns `teacher/*` metrics."""
+    def score(self, samples: list[Sample], marks: StepMarks) -> dict[str, float]:
+        """Record every sample's teacher log-probs (and top-k when `top_k`) in `marks`; returns `teacher/*`
+        metrics. Nothing is recorded when a score is NaN/Inf (TeacherError)."""
         if not samples:
             return {}
+        scores: dict[int, tuple] = {}
         shadows = {id(s): replace(s, prompt_ids=self.prompt_ids(s)) for s in samples}
         owner = {id(shadow): s for s, shadow in zip(samples, shadows.values())}
         was_training = self.model.training
@@ -162,12 +167,15 @@ class Teacher:
                 check_finite(logp, mb)
                 for b, shadow in enumerate(mb.samples):
                     n = len(shadow.response_ids)
-                    target = owner[id(shadow)]
-                    target.teacher_logprobs = logp[b, :n].tolist()
-                    if topk is not None:
-                        target.teacher_topk = (topk[0][b, :n].tolist(), topk[1][b, :n].tolist())
+                    scores[id(owner[id(shadow)])] = (logp[b, :n].tolist(), None if topk is None else
+                                                      (topk[0][b, :n].tolist(), topk[1][b, :n].tolist()))
         finally:
             self.model.train(was_training)
+        marks.hold(samples)
+        for key, (logps, top) in scores.items():
+            marks.logprobs[key] = logps
+            if top is not None:
+                marks.topk[key] = top
         self.last_scored = list(shadows.values())
         tokens = sum(len(s.response_ids) for s in samples)
         return {"teacher/tokens": float(tokens), "teacher/prompt_tokens_mean":
@@ -237,25 +245,30 @@ class EngineTeacher(Teacher):
     engine with prefix caching computes a prompt's prefill once for its responses)."""
 
     def __init__(self, engine, cfg: TeacherConfig, encoder: PromptEncoder):
+        if not engine.caps.probe_logprobs:
+            raise TeacherError(f"teacher.backend = 'engine' scores with probe_logprobs; {type(engine).__name__} "
+                               "has none: use teacher.backend = 'trainer'")
         self.engine, self.cfg, self.encoder = engine, cfg, encoder
         self.template = context_template(cfg.context)
         self.top_k = 0
 
-    def score(self, samples: list[Sample]) -> dict[str, float]:
+    def score(self, samples: list[Sample], marks: StepMarks) -> dict[str, float]:
+        scores = {}
         for s in samples:
             ids = self.prompt_ids(s)
             logps = self.engine.probe_logprobs(ids + s.response_ids)  # [P + T - 1]: token i given those before
-            s.teacher_logprobs = [float(v) for v in logps[len(ids) - 1:]]
-            if len(s.teacher_logprobs) != len(s.response_ids) or not all(map(math.isfinite, s.teacher_logprobs)):
-                raise TeacherError(f"{s.prompt.source or s.prompt.uid}: the engine teacher returned "
-                                   f"{len(s.teacher_logprobs)} log-probs (NaN/Inf among them or not) for "
-                                   f"{len(s.response_ids)} response tokens; check the teacher engine")
+            scored = [float(v) for v in logps[len(ids) - 1:]]
+            if len(scored) != len(s.response_ids) or not all(map(math.isfinite, scored)):
+                raise TeacherError(f"{s.prompt.source or s.prompt.uid}: the engine teacher returned {len(scored)} "
+                                   f"log-probs (NaN/Inf among them or not) for {len(s.response_ids)} response "
+                                   "tokens; check the teacher engine")
+            scores[id(s)] = scored
+        marks.hold(samples)
+        marks.logprobs.update(scores)
         return {"teacher/tokens": float(sum(len(s.response_ids) for s in samples))}
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
 
 def build_teacher(cfg, policy, tokenizer, encoder: PromptEncoder, trainer, pad_id: int,
@@ -317,6 +330,6 @@ def _engine_teacher(cfg, model, tokenizer, encoder: PromptEncoder, run_dir: Path
     """An engine of rollout.engine's kind holding the teacher's weights, under `run_dir/teacher`."""
     from rollwise.generate.factory import build_engine
 
-    tcfg = cfg.teacher  # its settings were checked with the config (config_distill.engine_teacher_errors)
+    tcfg = cfg.teacher  # its settings were checked with the config (rollwise.methods.checks.engine_teacher_errors)
     folder = Path(run_dir or ".") / "teacher"
     return EngineTeacher(build_engine(cfg, model, tokenizer, folder), tcfg, encoder)

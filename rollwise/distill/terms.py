@@ -1,10 +1,10 @@
-"""What a step's distillation adds to the trainer's loss: the OPD token advantage, the GKD and SFT loss terms.
+"""What a teacher or SFT step adds to the trainer's loss: the OPD token advantage, the GKD and SFT loss terms.
 
-The trainer calls `StepTerms.start_step` once per update, `StepTerms.advantages` before its policy loss and
-`StepTerms.extra_loss` after it, per micro-batch (`rollwise.train.trainer.Trainer._backward`), and
-`StepTerms.step_metrics` at the end. Per-sample weights `mb.loss_weights [S, 3]` (reward advantage, teacher term,
-SFT NLL) come from Self-Routing and the stage; a sample the teacher did not score (NaN in `mb.teacher_logp`: a
-replayed sample, whose scores the replay buffer clears) gets no teacher term.
+`StepTerms` is a `rollwise.train.terms.LossTerms`: the trainer calls `start` once per update, `advantages` before
+its policy loss and `extra_loss` after it, per micro-batch, and `metrics` at the end. What the step decided about
+each sample lives in its `StepMarks`, by sample identity, never on the `Sample`: the teacher's log-probs and top-k,
+and the loss weights (reward advantage, teacher term, SFT NLL) that Self-Routing and the stage set. A sample the
+step did not mark (a replayed one) gets the default weights (1, 1, 0) and no teacher term.
 
     A_t  = w_reward * reward_weight * A_reward - w_teacher * coef * (logp_own_t - logp_teacher_t)      (opd)
     loss = policy_loss(A) + coef * agg(w_teacher * GJSD_beta(T_topk+tail || S_topk+tail))               (gkd)
@@ -16,7 +16,7 @@ An SFT stage (`sft_only`) trains the NLL alone (no policy loss: demonstrations h
 
 The `distill/*` metrics are over the whole step's batch, not means of per-micro-batch values: each micro-batch's
 first pass (before any update of this step) records its per-token gaps, entropies and term sums, and
-`step_metrics` takes the means and the top-gap share once over all of them.
+`metrics` takes the means and the top-gap share once over all of them.
 """
 
 from __future__ import annotations
@@ -32,11 +32,84 @@ from rollwise.algo.distillation import generalized_jsd
 from rollwise.distill.guards import gap_metrics
 from rollwise.train.batching import MicroBatch
 from rollwise.train.logprobs import CHUNK_TOKENS, row_chunks
+from rollwise.types import Sample
+
+DEFAULT_WEIGHTS = (1.0, 1.0, 0.0)  # (reward advantage, teacher term, sft NLL) of a sample no step marked
+
+
+@dataclass
+class StepMarks:
+    """What one step decided about its samples, keyed by `id(sample)` (the samples are kept alive in `held`):
+    the teacher's log-probs `[T]` and top-k `([T][k] log-probs, [T][k] ids)`, the Self-Routing route and the loss
+    weights. Nothing of it outlives the step (a replayed sample starts unmarked)."""
+
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    topk: dict[int, tuple[list, list]] = field(default_factory=dict)
+    routes: dict[int, str] = field(default_factory=dict)
+    weights: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    held: list[Sample] = field(default_factory=list, repr=False)
+
+    def hold(self, samples: list[Sample]) -> None:
+        self.held.extend(samples)
+
+    def weight(self, sample: Sample) -> tuple[float, float, float]:
+        return self.weights.get(id(sample), DEFAULT_WEIGHTS)
+
+    def set_weights(self, sample: Sample, weights: tuple[float, float, float]) -> None:
+        self.hold([sample])
+        self.weights[id(sample)] = weights
+
+    def record(self, sample: Sample) -> dict:
+        """What `samples/step-N.jsonl` shows of a marked sample: the mean gap between the sampling log-probs and
+        the teacher's over the trained tokens (None when none was scored), their count, the teacher's summed
+        log-prob, and the route."""
+        teacher = self.logprobs.get(id(sample))
+        if teacher is None:
+            return {"route": self.routes.get(id(sample))} if id(sample) in self.routes else {}
+        own = sample.full_logprobs or sample.behaviour_logprobs
+        pairs = [(o, t) for o, t, m in zip(own, teacher, sample.loss_mask) if m]
+        return {"teacher_gap_mean": sum(o - t for o, t in pairs) / len(pairs) if pairs else None,
+                "teacher_tokens": len(pairs), "teacher_logprob_sum": sum(t for _, t in pairs),
+                "route": self.routes.get(id(sample))}
+
+    def tensors(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """`(weights [S, 3], teacher_logp [S, T] (NaN where not scored) or None, (topk_logp [S, T, k],
+        topk_ids [S, T, k]) or None)` of the micro-batch's samples."""
+        samples, (S, T) = mb.samples, mb.targets.shape
+        weights = torch.tensor([list(self.weight(s)) for s in samples], dtype=torch.float32)  # [S, 3]
+        teacher = None
+        if any(id(s) in self.logprobs for s in samples):
+            teacher = torch.full((S, T), float("nan"))
+            for b, s in enumerate(samples):
+                lp = self.logprobs.get(id(s))
+                if lp is not None:
+                    _check_length(s, len(lp), "teacher log-probs")
+                    teacher[b, :len(lp)] = torch.tensor(lp)
+        return weights, teacher, self._topk(samples, S, T)
+
+    def _topk(self, samples: list[Sample], S: int, T: int) -> tuple | None:
+        found = [self.topk.get(id(s)) for s in samples]
+        k = next((len(t[0][0]) for t in found if t is not None and t[0]), 0)  # an empty response's is ([], [])
+        if not k:
+            return None
+        lp, ids = torch.zeros((S, T, k)), torch.zeros((S, T, k), dtype=torch.long)
+        for b, (s, t) in enumerate(zip(samples, found)):
+            if t is not None and t[0]:
+                _check_length(s, len(t[0]), "teacher top-k")
+                n = len(t[0])
+                lp[b, :n], ids[b, :n] = torch.tensor(t[0]), torch.tensor(t[1])
+        return lp, ids
+
+
+def _check_length(sample: Sample, n: int, what: str) -> None:
+    if n != len(sample.response_ids):
+        raise ValueError(f"sample of group {sample.group_id}: {what} of {n} tokens for {len(sample.response_ids)} "
+                         "response tokens")
 
 
 @dataclass
 class StepTerms:
-    """One RL step's distillation settings (the loop builds them from `[distill]` and the stage)."""
+    """One step's distillation and SFT terms (a method builds them from `[distill]`, the stage and its marks)."""
 
     teacher: bool = False  # this stage's samples were scored by the teacher
     objective: str = "opd"
@@ -46,70 +119,79 @@ class StepTerms:
     temperature: float = 1.0  # gkd: the student's logits are compared at the teacher's temperature
     sft_coef: float = 0.0
     sft_only: bool = False
+    marks: StepMarks = field(default_factory=StepMarks)
     chunk_tokens: int = CHUNK_TOKENS  # gkd: response positions per LM-head chunk
     record: "StepRecord" = field(default_factory=lambda: StepRecord(), repr=False, compare=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def needs_logits(self) -> bool:
+    def policy_loss(self) -> bool:
+        return not self.sft_only
+
+    @property
+    def compares_engine(self) -> bool:
+        return not self.sft_only  # demonstrations have no engine log-probs to compare
+
+    @property
+    def needs_hidden(self) -> bool:
         return self.teacher and self.objective == "gkd"
 
-    def start_step(self) -> None:
-        """Forget the metrics of an earlier step (the trainer calls this before its first micro-batch)."""
+    def start(self) -> None:
+        """Forget the metrics of an earlier update (the trainer calls this before its first micro-batch)."""
         self.record = StepRecord()
 
-    def step_metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """`distill/*` of the step's batch (see the module docstring); {} when nothing was recorded."""
         return self.record.metrics(opd=self.teacher and self.objective == "opd")
 
+    def _tensors(self, mb: MicroBatch):
+        """`StepMarks.tensors` of `mb`, built once per micro-batch."""
+        key = id(mb)
+        if key not in self._cache:
+            self._cache[key] = (mb, self.marks.tensors(mb))  # mb kept: its id stays unique while cached
+        return self._cache[key][1]
+
     def advantages(self, own_logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The advantages the policy loss uses: `[S]` (no teacher term) or `[S, T]` (opd), and this micro-batch's
-        `distill/*` gap metrics (the trainer reports `step_metrics` instead, over the whole batch).
+                   ) -> torch.Tensor:
+        """The advantages the policy loss uses: `[S]` (no teacher term) or `[S, T]` (opd).
 
         `own_logp [S, T]`: the student's own untruncated log-probs of the sampled tokens (no gradient needed);
         `entropy [S, T]`: the policy's, recorded with the gaps for `distill/entropy_at_top_gap`."""
-        w = mb.loss_weights  # [S, 3]
+        w, teacher_logp, _ = self._tensors(mb)  # [S, 3], [S, T] or None
         route = w[:, 0] if mb.advantages.dim() == 1 else w[:, 0:1]  # outcome [S] or critic (gae) [S, T] advantages
         base = mb.advantages * route * (self.reward_weight if self.teacher else 1.0)
-        if not self.teacher or mb.teacher_logp is None:
-            return base, {}
-        scored = torch.isfinite(mb.teacher_logp)  # [S, T]
-        teacher = torch.where(scored, mb.teacher_logp, own_logp)  # unscored tokens: no gap
-        gap, mask = own_logp - teacher, mb.loss_mask * scored
-        self.record.gaps(mb, gap, mask, entropy)
-        alone = StepRecord()
-        alone.gaps(mb, gap, mask, entropy)
-        metrics = alone.metrics(opd=self.objective == "opd")
+        if not self.teacher or teacher_logp is None:
+            return base
+        scored = torch.isfinite(teacher_logp)  # [S, T]
+        teacher = torch.where(scored, teacher_logp, own_logp)  # unscored tokens: no gap
+        self.record.gaps(mb, own_logp - teacher, mb.loss_mask * scored, entropy)
         if self.objective != "opd":
-            return base, metrics
+            return base
         adv, _ = algo.distill("opd", own_logp, teacher, mb.loss_mask, reward_advantage=base,
                               coef=self.coef * w[:, 1:2])
-        return adv, metrics
+        return adv
 
-    def extra_loss(self, logp: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor, mb: MicroBatch,
-                   aggregate) -> tuple[torch.Tensor, dict[str, float]]:
-        """GKD and SFT loss terms of one micro-batch (a 0-d tensor, 0.0 when neither applies) and their means over
-        this micro-batch's tokens (the trainer reports `step_metrics` instead, over the whole batch).
+    def extra_loss(self, logp: torch.Tensor, hidden: torch.Tensor | None, head: torch.Tensor, mb: MicroBatch,
+                   aggregate) -> torch.Tensor:
+        """GKD and SFT loss terms of one micro-batch (a 0-d tensor, 0.0 when neither applies).
 
         `logp [S, T]` the policy's log-probs (with gradient); `hidden [n, H]` its final hidden states at the valid
-        response positions (gkd only); `weight [V, H]` the LM head; `aggregate(per_token, mask)` the run's
+        response positions (gkd only); `head [V, H]` the LM head; `aggregate(per_token, mask)` the run's
         loss aggregation."""
-        loss, alone = logp.new_zeros(()), StepRecord()
-        w = mb.loss_weights
+        loss = logp.new_zeros(())
+        w, teacher_logp, topk = self._tensors(mb)
         sft_coef = 1.0 if self.sft_only else self.sft_coef
         if sft_coef > 0 and bool((w[:, 2] > 0).any()):
             sft_mask = mb.loss_mask * (w[:, 2:3] > 0)  # [S, T]
             per_token, _ = algo.distill("sft", logp, None, sft_mask)
             loss = loss + sft_coef * aggregate(per_token * w[:, 2:3], mb.loss_mask)
-            for record in (self.record, alone):
-                record.total(mb, "distill/sft_nll", per_token.detach().sum(), sft_mask.sum())
-        if self.needs_logits and mb.teacher_topk is not None and hidden is not None:
-            per_token = gkd_topk(hidden, weight, mb, self.gkd_beta, self.temperature, self.chunk_tokens)  # [S, T]
-            mask = mb.loss_mask * torch.isfinite(mb.teacher_logp)
+            self.record.total(mb, "distill/sft_nll", per_token.detach().sum(), sft_mask.sum())
+        if self.needs_hidden and topk is not None and hidden is not None:
+            per_token = gkd_topk(hidden, head, mb, topk, self.gkd_beta, self.temperature, self.chunk_tokens)
+            mask = mb.loss_mask * torch.isfinite(teacher_logp)
             loss = loss + self.coef * aggregate(per_token * w[:, 1:2] * mask, mb.loss_mask)
-            for record in (self.record, alone):
-                record.total(mb, "distill/gkd", (per_token.detach() * mask).sum(), mask.sum())
-        return loss, alone.metrics(opd=False)
+            self.record.total(mb, "distill/gkd", (per_token.detach() * mask).sum(), mask.sum())
+        return loss
 
 
 @dataclass
@@ -146,19 +228,19 @@ class StepRecord:
         return out
 
 
-def gkd_topk(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch, beta: float, temperature: float,
-             chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+def gkd_topk(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch, topk: tuple[torch.Tensor, torch.Tensor],
+             beta: float, temperature: float, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """Normalised generalized JSD (`rollwise.algo.distillation.generalized_jsd`) over the teacher's top-k tokens
     plus one tail bucket, per response token `[S, T]`.
 
     Both distributions are reduced to k + 1 buckets: the teacher's top-k ids, and everything else (log of one
     minus their mass). The student's come from its full softmax at `temperature` (`hidden [n, H]` of the valid
-    positions, `head [V, H]`); the teacher's were stored at scoring time. The student's `[n, V]` logits are
+    positions, `head [V, H]`); the teacher's, `topk = (log-probs [S, T, k], ids [S, T, k])`, from scoring. The student's `[n, V]` logits are
     never built for the whole micro-batch: rows go through the head `chunk_tokens` at a time
     (`rollwise.train.logprobs.row_chunks`), and each chunk is recomputed in the backward pass
     (`torch.utils.checkpoint`) instead of keeping its `[chunk, V]` softmax, so the peak is a few
     `chunk_tokens x V` fp32 blocks whatever n is."""
-    t_lp, ids = mb.teacher_topk  # [S, T, k] each
+    t_lp, ids = topk  # [S, T, k] each
     valid = mb.valid
     S, T = mb.targets.shape
     h = (hidden / temperature).to(head.dtype)  # [n, H]

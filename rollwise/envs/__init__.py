@@ -18,6 +18,11 @@ EnvFactory = Callable[[EnvConfig], Env]
 ENVS: Registry[EnvFactory] = Registry("environment")
 
 
+# Environments in their own modules, imported on first use.
+ENVS.register_lazy("lookup", "rollwise.envs.lookup:lookup_env")
+ENVS.register_lazy("pyexec", "rollwise.envs.pyexec:pyexec_env")
+
+
 @ENVS.register("calc")
 def calc_env(cfg: EnvConfig) -> ToolEnv:
     """A calculator tool `<calc>EXPR</calc>` (the `calc` task)."""
@@ -46,9 +51,5 @@ def build_env(cfg: EnvConfig, task_default: str | None = None) -> Env | None:
     if missing:
         raise EnvError(f"environment {name!r} lacks {', '.join(missing)} (see rollwise/envs/base.py)")
     return env
-
-
-# built-in environments register themselves on import
-from rollwise.envs import builtin  # noqa: E402,F401
 
 __all__ = ["ENVS", "Env", "EnvError", "StepResult", "Tool", "ToolEnv", "build_env", "env_name"]

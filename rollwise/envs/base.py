@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from rollwise.errors import UserError
 from rollwise.types import Message, Prompt, ToolCall
 
 
@@ -72,5 +73,5 @@ class Tool:
         return str(self.fn(**args))
 
 
-class EnvError(ValueError):
+class EnvError(UserError, ValueError):
     """A user-facing configuration error of an environment (unknown env, bad options)."""

@@ -23,7 +23,7 @@ import random
 from typing import Any
 
 from rollwise.config import DataConfig
-from rollwise.data.tasks import EVAL_SEED, TASKS, first_held_out, text_uid
+from rollwise.data.tasks import EVAL_SEED, first_held_out, text_uid
 from rollwise.types import Group, Prompt
 
 SYSTEM = ("You are a helpful assistant with a calculator. To compute, write <calc>EXPRESSION</calc>, for "
@@ -141,8 +141,8 @@ class CalcTask:
         return first_held_out(self.name, self._eval, n)
 
 
-@TASKS.register("calc")
 def calc_task(cfg: DataConfig, seed: int) -> CalcTask:
+    """Built-in calc task (see `CalcTask`; registered by name in `rollwise.data.tasks`)."""
     try:
         return CalcTask(cfg, seed, **cfg.options)
     except TypeError as exc:

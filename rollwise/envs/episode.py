@@ -30,7 +30,7 @@ from typing import Any
 
 from rollwise.data.prompts import with_system
 from rollwise.envs.base import Env, EnvError
-from rollwise.rollout import FINAL, GenerateStats, StopRule, is_complete
+from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete
 from rollwise.types import GenerationRequest, GenerationResult, Group, Message, Sample, SamplingParams, Status
 
 _PROBE = [{"role": "user", "content": "rollwise-probe-user"}, {"role": "assistant", "content": "rollwise-probe-reply"}]

@@ -26,11 +26,10 @@ import re
 from typing import Any
 
 from rollwise.config import DataConfig, EnvConfig
-from rollwise.data.tasks import EVAL_SEED, TASKS, ProceduralTask, text_uid
-from rollwise.envs import ENVS
+from rollwise.data.tasks import EVAL_SEED, ProceduralTask, text_uid
 from rollwise.envs.base import Tool
 from rollwise.envs.tool_env import ToolEnv
-from rollwise.rewards.verifiers import REWARDS, reference, verdict
+from rollwise.rewards.verifiers import reference, verdict
 from rollwise.types import Message, Prompt, RewardResult, Sample
 
 NUM_RECORDS = 2000  # people in the world
@@ -226,9 +225,9 @@ def task_options(cfg: DataConfig) -> dict[str, Any]:
     return dict(getattr(cfg, "options", None) or {})
 
 
-@TASKS.register("lookup")
 def lookup_task(cfg: DataConfig, seed: int) -> LookupTask:
-    """Built-in lookup task (see `LookupTask`); options from `data.options` when present."""
+    """Built-in lookup task (see `LookupTask`; registered by name in `rollwise.data.tasks`); options from
+    `data.options` when present."""
     try:
         return LookupTask(cfg, seed, **task_options(cfg))
     except TypeError as exc:
@@ -251,7 +250,6 @@ class LookupEnv(ToolEnv):
         return {"lookup": lookup_tool(records)}
 
 
-@ENVS.register("lookup")
 def lookup_env(cfg: EnvConfig) -> LookupEnv:
     """The `<lookup>NAME</lookup>` tool over each prompt's records (the `lookup` task)."""
     return LookupEnv(cfg.parser, cfg.max_turns, **cfg.options)
@@ -269,7 +267,6 @@ def normalise_answer(text: str) -> str:
     return text.strip().strip("\"'`*").rstrip(".!").strip().lower()
 
 
-@REWARDS.register("lookup")
 def lookup_reward(sample: Sample) -> RewardResult:
     """Exact match of the normalised final answer (`normalise_answer`) and the record's attribute."""
     gold = normalise_answer(reference(sample))

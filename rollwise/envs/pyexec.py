@@ -26,8 +26,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from rollwise.config import DataConfig, EnvConfig
-from rollwise.data.tasks import EVAL_SEED, TASKS, first_held_out, text_uid
-from rollwise.envs import ENVS
+from rollwise.data.tasks import EVAL_SEED, first_held_out, text_uid
 from rollwise.envs.base import EnvError, StepResult
 from rollwise.rewards.code import CODE_LIMITS, CodeOutcome, extract_code, parses, run_tests
 from rollwise.types import Prompt, ToolCall
@@ -214,7 +213,6 @@ class PyExecTask:
                               f"its {len(self.held_ids)} held-out problems, capped by data.eval_size")
 
 
-@TASKS.register("pyexec")
 def pyexec_task(cfg: DataConfig, seed: int) -> PyExecTask:
     """Built-in pyexec task (see the module docstring)."""
     return PyExecTask(cfg, seed)
@@ -292,7 +290,6 @@ class PyExecEnv:
         return tests
 
 
-@ENVS.register("pyexec")
 def pyexec_env(cfg: EnvConfig) -> PyExecEnv:
     """Code with execution feedback (the `pyexec` task); `env.options`: feedback_chars and sandbox limits."""
     return PyExecEnv(max_turns=cfg.max_turns, **cfg.options)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import count
 
+from rollwise.envs.base import EnvError
+from rollwise.generate.groups import new_groups
 from rollwise.rewards import score_sample
-from rollwise.rollout import new_groups
 from rollwise.types import Group, Sample, SamplingParams
 
 
@@ -28,6 +29,9 @@ class HardSampleSubstitution:
 
     def __init__(self, source, episodes, engine, encoder, reward_fn, reward_timeout_s: float,
                  guided_samples: int = 4, max_replaced_frac: float = 0.5) -> None:
+        if not engine.caps.probe_logprobs:
+            raise EnvError(f"hard-sample substitution recomputes log-probs with probe_logprobs; "
+                           f"{type(engine).__name__} has none")
         self.source, self.episodes, self.engine, self.encoder = source, episodes, engine, encoder
         self.reward_fn, self.reward_timeout_s = reward_fn, reward_timeout_s
         self.guided_samples, self.max_replaced_frac = guided_samples, max_replaced_frac

@@ -1,4 +1,4 @@
-"""Build the run's rollout engine from `[rollout]` (and `[cluster]`): one place that knows every engine.
+"""Build the run's rollout engine from `[rollout]`, in this process: one place that knows every engine kind.
 
 | rollout.engine | rollout.server | engine                                                                  |
 |----------------|----------------|-------------------------------------------------------------------------|
@@ -9,8 +9,8 @@
 | sglang         | URL            | `SGLangEngine`, a client of SGLang's native HTTP API                    |
 | openai         | URL            | `OpenAIEngine`, any OpenAI-compatible completions server (token ids)    |
 
-With `cluster.ray`, the torch and vllm engines run inside Ray actors (`rollwise.cluster.RemoteEngine`).
-vLLM and the Ray actors load the policy from an HF folder (`run_dir/sync/initial`), written here once.
+vLLM loads the policy from an HF folder (`run_dir/sync/initial`), written here once. With `cluster.ray` the
+engines run inside Ray actors instead (`rollwise.cluster.RemoteEngine`, chosen by `rollwise.build`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from rollwise.errors import UserError
 from rollwise.config import Config
+from rollwise.models.weights_folder import write_initial_weights
 
 
-class MissingExtraError(ModuleNotFoundError):
+class MissingExtraError(UserError, ModuleNotFoundError):
     """An optional package the config asks for is not installed; the message gives the pip line."""
 
 
@@ -43,15 +45,6 @@ def engine_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def write_initial_weights(model, tokenizer, run_dir: Path) -> Path:
-    """The policy as an HF folder that vLLM and Ray actors load at start (rewritten by every start)."""
-    folder = Path(run_dir) / "sync" / "initial"
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def max_model_len(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0) + 8
 
@@ -68,14 +61,10 @@ def engine_options(cfg: Config) -> dict:
 
 
 def build_engine(cfg: Config, model, tokenizer, run_dir: Path):
-    """The engine `cfg.rollout` names, holding `model`'s weights as version 0."""
+    """The engine `cfg.rollout` names, in this process, holding `model`'s weights as version 0."""
     rollout = cfg.rollout
     dtype = engine_dtype(cfg.model.dtype)
     options = engine_options(cfg)
-    if cfg.cluster.ray:
-        from rollwise.cluster import RemoteEngine
-
-        return RemoteEngine.start(cfg, write_initial_weights(model, tokenizer, run_dir), tokenizer, dtype)
     if rollout.engine == "torch":
         from rollwise.generate.torch_engine import TorchEngine
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollwise.generate.packed_linear import PackedLinear
+from rollwise.models.packed_linear import PackedLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

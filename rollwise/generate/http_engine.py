@@ -29,6 +29,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from rollwise.errors import UserError
+from rollwise.generate.base import EngineCaps
 from rollwise.generate.sampling import truncates
 from rollwise.generate.torch_engine import EngineStats, sequence_result
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
@@ -37,7 +39,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 
-class ServerEngineError(RuntimeError):
+class ServerEngineError(UserError, RuntimeError):
     """A server engine's HTTP call failed; the message is one line naming the URL and what to do."""
 
 
@@ -82,6 +84,7 @@ class _ServerEngine:
     """The engine contract over HTTP; subclasses implement `_run_one` (one request) and the probes."""
 
     server_name = "server"
+    caps = EngineCaps(continue_aborted=True)
 
     def __init__(self, base_url: str, tokenizer, timeout_s: float = 600.0, max_concurrency: int = 64,
                  dtype=None, version: int = 0, api_key: str | None = None):
@@ -322,6 +325,7 @@ class OpenAIEngine(_ServerEngine):
     """
 
     server_name = "OpenAI-compatible"
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True)
 
     def __init__(self, base_url: str, tokenizer, timeout_s: float = 600.0, max_concurrency: int = 64,
                  model: str | None = None, dtype=None, processed_logprobs: bool = True, version: int = 0,
@@ -436,9 +440,10 @@ def _entry_logprob(entry: dict, token_id: int) -> float:
 
 
 def push_through_folder(engine, state_dict: dict[str, torch.Tensor], version: int) -> None:
-    """A server engine's `update_weights`: the Sync stage's safetensors transport (whole groups checked, written
-    atomically, older folders deleted) into `engine.sync_dir` (a temporary one when unset)."""
-    from rollwise.sync.transports import SafetensorsTransport
+    """A server engine's `update_weights`: a version folder (`rollwise.models.weights_folder`: whole groups
+    checked, written atomically) in `engine.sync_dir` (a temporary one when unset), reloaded by the server;
+    older folders are deleted."""
+    from rollwise.models.weights_folder import delete_older_versions, write_version_dir
 
     if engine.model_dir is None:
         raise ServerEngineError(f"{engine.base_url}: update_weights writes an HF folder and needs the model's "
@@ -447,4 +452,6 @@ def push_through_folder(engine, state_dict: dict[str, torch.Tensor], version: in
         import tempfile
 
         engine.sync_dir = Path(tempfile.mkdtemp(prefix="rollwise-sync-"))
-    SafetensorsTransport(engine, engine.sync_dir).push(state_dict, version)
+    folder, _ = write_version_dir(state_dict, version, engine.sync_dir, engine.model_dir, dtype=engine.dtype)
+    engine.reload_from(folder, version)
+    delete_older_versions(engine.sync_dir, keep=folder)

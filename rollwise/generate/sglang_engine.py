@@ -14,6 +14,7 @@ import httpx
 import torch
 from rollwise.types import SamplingParams, Status
 
+from rollwise.generate.base import EngineCaps
 from rollwise.generate.http_engine import (ServerEngineError, _error_message, _ServerEngine, _Sequence, as_dtype,
                                            push_through_folder)
 
@@ -42,6 +43,7 @@ class SGLangEngine(_ServerEngine):
     """
 
     server_name = "SGLang"
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, reload_from=True)
 
     def __init__(self, base_url: str, tokenizer, timeout_s: float = 600.0, max_concurrency: int = 64,
                  dtype=None, version: int = 0, sync_dir: str | Path | None = None,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from rollwise.generate.base import EngineCaps
 from rollwise.generate.fused_decode import FusedDecoder
 from rollwise.generate.sampling import sample_with_full_logprobs
 from rollwise.generate.slot_cache import SlotCache
@@ -79,6 +80,8 @@ class TorchEngine:
         prefill_tokens: token budget of one prefill forward.
         fused: decode with `FusedDecoder` when the architecture supports it (else the model's own forward).
     """
+
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, rng_state=True, local_model=True, tensors=True)
 
     def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
                  seed: int = 0, prefill_tokens: int = 4096, fused: bool = True):
@@ -297,6 +300,13 @@ class TorchEngine:
         logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [L-1, V]
         targets = ids[0, 1:, None]
         return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1).tolist()
+
+    def rng_state(self) -> torch.Tensor:
+        """The state of the sampling generator of unseeded requests (saved with checkpoints)."""
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
 
     def close(self) -> None:
         """Nothing to release beyond the Python objects (no processes); idempotent."""

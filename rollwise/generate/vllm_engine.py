@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from rollwise.generate.base import EngineCaps
 from rollwise.generate.torch_engine import EngineStats, _cut_at_stop, _eos_ids
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
 
@@ -84,7 +85,11 @@ class VLLMEngine:
             (default 256 MiB), `enforce_eager` (default False: compiled), `enable_lora` and `max_lora_rank`
             (LoRA adapters), `weight_transfer_backend` (CUDA: 'ipc' default, or 'nccl').
         sync_dir: where `update_weights` writes its safetensors folders (default: a temporary folder).
+
+    `caps.adapters`: `update_adapter` needs the engine started with LoRA (`enable_lora`); it refuses otherwise.
     """
+
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, adapters=True, reload_from=True)
 
     def __init__(self, model_dir, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
                  seed: int = 0, max_model_len: int = 2048, options: dict | None = None,
@@ -166,7 +171,7 @@ class VLLMEngine:
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Write `state_dict` (HF names, the whole model) as a safetensors folder and reload it as `version`."""
-        from rollwise.sync.transports import delete_older_versions, write_version_dir
+        from rollwise.models.weights_folder import delete_older_versions, write_version_dir
 
         folder, _ = write_version_dir(state_dict, version, self._sync_folder(), self.model_dir, dtype=self.dtype)
         self.reload_from(folder, version)

@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from rollwise.generate.base import EngineCaps
 from rollwise.generate.http_engine import OpenAIEngine, ServerEngineError, push_through_folder
 from rollwise.generate.vllm_engine import cpu_small_machine_env
 
@@ -243,6 +244,7 @@ class VLLMServerEngine(OpenAIEngine):
     """
 
     server_name = "vLLM"
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, reload_from=True)
 
     def __init__(self, base_url: str, tokenizer, server: VLLMServer | None = None,
                  model_dir: str | Path | None = None, dtype="float32", sync_dir: str | Path | None = None,

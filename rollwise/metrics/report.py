@@ -14,6 +14,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from rollwise.errors import UserError
 from rollwise.metrics import svg
 from rollwise.metrics.sinks import METRICS_FILE, read_metrics, row_kind
 
@@ -22,7 +23,7 @@ TIME_KEY = re.compile(r"^perf/time/(.+)_s$")
 STAGE_ORDER = ["rollout", "reward", "filter", "replay", "reference", "train", "optimizer", "sync", "eval", "checkpoint", "other"]
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """The run directory holds nothing to report; the message names the file."""
 
 

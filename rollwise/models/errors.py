@@ -1,5 +1,7 @@
 """Errors raised while resolving or loading a model."""
 
+from rollwise.errors import UserError
 
-class ModelNotFoundError(RuntimeError):
+
+class ModelNotFoundError(UserError, RuntimeError):
     """A model could not be found or read; the message names what was looked for and how to fix it."""

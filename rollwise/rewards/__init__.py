@@ -1,22 +1,18 @@
 """Rewards: `RewardFn(sample) -> RewardResult | float | int | bool`, the `REWARDS` registry and scoring with
-counted failures (time limits and what they can stop: `rollwise.rewards.scoring`).
+counted failures (time limits and what they can stop: `rollwise.rewards.calling`).
 
     fn = build_reward_fn(cfg.reward, source.default_reward)   # or REWARDS.get("math"); IsolatedReward if isolate
     metrics = score_samples(samples, fn, cfg.reward.timeout_s)  # sets reward, parts, correct; FAILED on error
     guard = RewardFailureGuard(cfg.reward.max_failed_steps)    # raises when every reward fails N steps in a row
 """
 
+from rollwise.rewards.calling import RemoteRewardError, RewardFailure, RewardTimeout, as_result, get_reward_fn
 from rollwise.rewards.isolate import IsolatedReward, RewardWorkerError
 from rollwise.rewards.scoring import (
     DEFAULT_TIMEOUT_S,
-    RemoteRewardError,
-    RewardFailure,
     RewardFailureGuard,
     RewardsFailingError,
-    RewardTimeout,
-    as_result,
     build_reward_fn,
-    get_reward_fn,
     reward_metrics,
     score_batch,
     score_sample,

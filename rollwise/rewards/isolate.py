@@ -4,7 +4,7 @@
     metrics = score_samples(samples, fn, timeout_s)   # samples go to the workers, results come back
     fn.close()                                         # at the end of the run (also on errors)
 
-Why: the in-process limit is a SIGALRM timer (`rollwise.rewards.scoring`), which cannot stop one long C call
+Why: the in-process limit is a SIGALRM timer (`rollwise.rewards.calling`), which cannot stop one long C call
 that never returns to the interpreter (a C loop holding the GIL, an extension that blocks signals).
 
 How: each worker is a fresh interpreter (`sys.executable -c BOOTSTRAP`, the same as multiprocessing's 'spawn'
@@ -31,7 +31,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rollwise.rewards.scoring import (
+from rollwise.errors import UserError
+from rollwise.rewards.calling import (
     RemoteRewardError,
     RewardFailure,
     RewardTimeout,
@@ -47,7 +48,7 @@ KILL_GRACE_S = 0.5  # a worker gets this long past timeout_s to report its own R
 START_TIMEOUT_S = 120.0  # a fresh worker must have imported the reward by then
 
 
-class RewardWorkerError(RuntimeError):
+class RewardWorkerError(UserError, RuntimeError):
     """A worker process could not start or could not load the reward function."""
 
 

@@ -93,6 +93,7 @@ def integer_reward(sample: Sample) -> RewardResult:
 
 REWARDS.register("arith")(integer_reward)
 REWARDS.register("letters")(integer_reward)
+REWARDS.register_lazy("lookup", "rollwise.envs.lookup:lookup_reward")  # beside its task and tool
 
 
 def _math_verify_timeout() -> int | None:

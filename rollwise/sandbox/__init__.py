@@ -190,7 +190,7 @@ def choose_backend(requested: str | None) -> str:
     if name not in BACKENDS:
         raise ValueError(f"sandbox backend {name!r} (argument or ${ENV_BACKEND}) is not one of {', '.join(BACKENDS)}")
     if name == "rlimits":
-        warn_once("forced", fallback_warning(f"backend 'rlimits' was asked for", os.geteuid() == 0))
+        warn_once("forced", fallback_warning("backend 'rlimits' was asked for", os.geteuid() == 0))
         return "rlimits"
     if bw.bwrap_path() is None:
         if name == "bwrap":

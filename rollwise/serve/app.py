@@ -96,7 +96,7 @@ class Service:
 
 def limits_of(engine, tokenizer) -> Limits:
     """Vocabulary and context of the engine's model (the tokenizer's when the engine has no local model)."""
-    config = getattr(getattr(engine, "model", None), "config", None)
+    config = engine.model.config if engine.caps.local_model else None
     vocab = getattr(config, "vocab_size", None) or len(tokenizer)
     context = getattr(config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
     return Limits(int(vocab), int(min(context, 1_000_000)))
@@ -294,7 +294,7 @@ def create_app(service: Service) -> FastAPI:
 def episode_job(body: dict, service: Service) -> EpisodeJob:
     """Validate `POST /v1/episodes` and build its job (BadRequest with the field on a bad one)."""
     from rollwise.data.prompts import encode_prompt
-    from rollwise.rollout import new_groups
+    from rollwise.generate.groups import new_groups
 
     name = body.get("env")
     if not isinstance(name, str) or not name:

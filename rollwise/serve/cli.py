@@ -49,10 +49,10 @@ def load_engine(cfg: Config, run_dir: Path):
 def serve_command(config: str | None, overrides: list[str], host: str | None, port: int | None,
                   api_key: str | None, model: str | None) -> None:
     """Serve until Ctrl-C (or the server thread ends); the engine and worker are closed on the way out."""
-    from rollwise.config import load_config
+    from rollwise.validate import load
 
     extra = [f"model.name={_quote(model)}"] if model else []
-    cfg = load_config(config, overrides + extra)
+    cfg = load(config, overrides + extra)
     from rollwise import sandbox
 
     sandbox.allow_unconfined(cfg.sandbox.allow_unconfined)  # episode jobs of code environments (pyexec)
@@ -83,7 +83,7 @@ def serve_command(config: str | None, overrides: list[str], host: str | None, po
             server.stop()
         if service is not None:
             service.worker.close()
-        getattr(engine, "close", lambda: None)()
+        engine.close()
 
 
 def watch(server: RunningServer, worker: Worker, poll_s: float = 0.5) -> None:

@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import torch
 
+from rollwise.generate.groups import FINAL, GenerateStats, is_complete, merge_result
 from rollwise.generate.http_engine import ServerEngineError
 from rollwise.generate.torch_engine import EngineStats
-from rollwise.rollout import FINAL, GenerateStats, JobResult, is_complete, merge_result
+from rollwise.rollout import JobResult
 from rollwise.types import GenerationResult, Group, Sample, SamplingParams, Status, ToolCall
 
 _STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
@@ -37,7 +38,8 @@ class ServiceError(ServerEngineError):
 
 
 class ServiceRollouts:
-    """Generation by a `rollwise serve` at `url` (see the module docstring).
+    """Generation by a `rollwise serve` at `url` (see the module docstring): a `rollwise.rollout.Rollouts` whose
+    engine is on the server (`engine` None; episodes run there too, `episodes` None here).
 
     Args:
         url: the server, e.g. `http://10.0.0.2:8765` (`rollout.service_url`).
@@ -48,6 +50,10 @@ class ServiceRollouts:
         max_episode_tokens: `env.max_episode_tokens` of episode jobs.
         max_concurrency: completion calls in flight at once.
     """
+
+    engine = None
+    episodes = None
+    threads = None
 
     def __init__(self, url: str, api_key: str | None, tokenizer=None, timeout_s: float = 600.0,
                  env: str | None = None, max_episode_tokens: int = 512, max_concurrency: int = 16,
@@ -111,6 +117,9 @@ class ServiceRollouts:
         answer = self._call("POST", f"/v1/weights?version={int(version)}", content=data,
                             headers={"Content-Type": "application/octet-stream"})
         self.version = answer["policy_version"]
+
+    def pop_metrics(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

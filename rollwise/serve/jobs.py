@@ -33,6 +33,7 @@ from itertools import count
 from typing import Any
 
 from rollwise.errors import one_line
+from rollwise.generate.base import EngineCaps
 from rollwise.types import GenerationRequest, GenerationResult, Group, Status
 
 
@@ -124,12 +125,16 @@ class JobCancelled(Exception):
 
 class _CancellableEngine:
     """The worker's engine as one episode job sees it: records the request ids in flight, so `cancel` can
-    abort the turn that runs; the next turn of a cancelled job raises JobCancelled instead of starting."""
+    abort the turn that runs; the next turn of a cancelled job raises JobCancelled instead of starting.
+    A view for `run_episodes` (generate, abort, version): no optional ability but continuing aborted requests."""
+
+    caps = EngineCaps()
 
     def __init__(self, engine, job: EpisodeJob):
         self.engine = engine
         self.job = job
         self.version = engine.version
+        self.caps = EngineCaps(continue_aborted=engine.caps.continue_aborted)
 
     def generate(self, requests, on_finish=None):
         if self.job.cancel_requested:

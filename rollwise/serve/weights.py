@@ -9,7 +9,7 @@ Two forms:
   path gets the same answer, `PATH_REFUSED`, whether it is outside the root, missing, not a file or not named
   `*.safetensors`: the answer says nothing about the server's file system.
 
-The weights must be the served model's whole parameter set (`rollwise.sync.transports.check_whole`, the
+The weights must be the served model's whole parameter set (`rollwise.models.weights_folder.check_whole`, the
 check the Sync stage makes): known names, the model's shapes, finite values, and no parameter missing. A
 partial state dict is refused, so the policy version never moves without the weights.
 """
@@ -103,16 +103,16 @@ def load_path(raw: str, root: str | Path) -> dict:
 def check_state(state: dict, engine) -> None:
     """The weights are the served model's whole parameter set: every tensor names a parameter (or a tied
     alias) with its shape and holds finite values, and no parameter is missing. Engines without a local model
-    (vLLM) make the same check when they load (`rollwise.sync.transports.check_whole`)."""
+    (vLLM) make the same check when they load (`rollwise.models.weights_folder.check_whole`)."""
     import torch
 
-    from rollwise.sync.transports import check_whole
+    from rollwise.models.weights_folder import check_whole
 
     if not state:
         raise BadRequest("the weights hold no tensor")
-    model = getattr(engine, "model", None)
-    if model is None or not hasattr(model, "state_dict"):
+    if not engine.caps.local_model:
         return
+    model = engine.model
     own = model.state_dict()
     unknown = [k for k in state if k not in own]
     if unknown:

@@ -1,7 +1,7 @@
 """The Sync stage: push the trainer's weights to the engines, versioned, and check that they arrived.
 
-`WeightSync.push(version)` takes the trainer's full policy weights (`policy_state`: merged LoRA, gathered FSDP
-shards), sends them through the configured transport (`rollwise.sync.transports`: in-process tensors, a
+`WeightSync.push(version)` takes the trainer's full policy weights (`trainer.policy_state()`: merged LoRA, gathered
+FSDP shards), sends them through the configured transport (`rollwise.sync.transports`: in-process tensors, a
 safetensors folder the engine reloads, or vLLM's NCCL transfer) or, with LoRA on an engine that serves adapters,
 the adapter alone; then it compares the log-probs the engine and the trainer give to a fixed probe sequence.
 A gap above `sync.max_logprob_diff` stops the run (`SyncError`): weights that were half-loaded, a tied LM head
@@ -16,31 +16,15 @@ from pathlib import Path
 
 import torch
 
-from rollwise.generate.base import Engine
+from rollwise.errors import UserError
+
 
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. 12 + 7 = 19, and 9 * 8 = 72. "
               "Rollouts, rewards and gradients: every step moves the policy a little. ") * 8
 
 
-class SyncError(RuntimeError):
+class SyncError(UserError, RuntimeError):
     """The engine's weights are not the trainer's after a sync (or the sync itself failed)."""
-
-
-def sync_weights(model: torch.nn.Module, engines: list[Engine], version: int) -> None:
-    """Send the policy's current parameters to every in-process engine as `version` (no check)."""
-    state = {name: p.detach() for name, p in model.named_parameters()}
-    for engine in engines:
-        engine.update_weights(state, version)
-
-
-def policy_state(trainer) -> dict[str, torch.Tensor]:
-    """The trainer's full policy weights under the base model's HF parameter names (`policy_state_dict()` where
-    the trainer has one: LoRA merges its adapters, FSDP2 gathers its shards)."""
-    if hasattr(trainer, "policy_state_dict"):
-        return trainer.policy_state_dict()
-    from rollwise.train.lora import engine_state_dict  # merged weights of a LoRA model, else its parameters
-
-    return engine_state_dict(trainer.model)
 
 
 def probe_tokens(tokenizer, n_tokens: int) -> list[int]:
@@ -49,20 +33,6 @@ def probe_tokens(tokenizer, n_tokens: int) -> list[int]:
     if len(ids) < n_tokens + 1:
         raise ValueError(f"sync.check_tokens = {n_tokens} is longer than the probe text ({len(ids) - 1} tokens)")
     return list(ids[: n_tokens + 1])
-
-
-@torch.no_grad()
-def model_probe_logprobs(model, token_ids: list[int]) -> list[float]:
-    """Log-probs at temperature 1 of `token_ids[1:]` given the tokens before each, by `model` (fp32 out)."""
-    was_training = model.training
-    model.eval()
-    try:
-        ids = torch.tensor([token_ids])
-        logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
-        logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]  # [T-1]
-    finally:
-        model.train(was_training)
-    return logp.tolist()
 
 
 def default_max_diff(engine_dtype: torch.dtype) -> float:
@@ -77,28 +47,31 @@ class WeightSync:
     """Pushes the trainer's weights to the run's rollouts after each update and checks the engine got them.
 
     Args:
-        rollouts: `LocalRollouts` (an engine in this process or behind a client) or `ProcessRollouts` (async).
-        trainer: the run's trainer (`Trainer`, `FSDPTrainer`; LoRA through its PEFT model).
+        rollouts: the run's `Rollouts` (its `engine`, or None when the engine lives elsewhere: then the weights go
+            through `rollouts.push_weights`, unchecked here).
+        trainer: the run's trainer backend (`policy_state`, `probe_logprobs`; `adapter_folder` when
+            `has_adapter`).
         transport: name from `sync.transport`; built on the engine by `rollwise.sync.transports`.
         check_tokens: probe length (0 = no check); max_logprob_diff: None = `default_max_diff(engine dtype)`.
         sync_dir: folder the safetensors transport and LoRA adapters are written to.
     """
 
     def __init__(self, rollouts, trainer, tokenizer, transport: str = "auto", check_tokens: int = 32,
-                 max_logprob_diff: float | None = None, sync_dir: Path | None = None, lora: bool = False):
+                 max_logprob_diff: float | None = None, sync_dir: Path | None = None):
         self.rollouts = rollouts
         self.trainer = trainer
-        self.engine = getattr(rollouts, "engine", None)  # None: the engine lives in a generation process
+        self.engine = rollouts.engine  # None: the engine lives elsewhere (a generation process, a server)
         self.sync_dir = Path(sync_dir) if sync_dir is not None else None
-        self.lora_adapters = lora and hasattr(self.engine, "update_adapter")  # vLLM serves the adapter itself
+        # a LoRA trainer's adapter alone, to an engine that serves adapters
+        self.lora_adapters = trainer.has_adapter and self.engine is not None and self.engine.caps.adapters
         self.transport = None
         if self.engine is not None:
             from rollwise.sync.transports import build_transport
 
             self.transport = build_transport(transport, self.engine, self.sync_dir)
-        can_probe = self.engine is not None and hasattr(self.engine, "probe_logprobs") and check_tokens > 0
+        can_probe = self.engine is not None and self.engine.caps.probe_logprobs and check_tokens > 0
         self.probe_ids = probe_tokens(tokenizer, check_tokens) if can_probe else []
-        dtype = getattr(self.engine, "dtype", torch.float32)
+        dtype = self.engine.dtype if self.engine is not None else torch.float32
         self.max_diff = max_logprob_diff if max_logprob_diff is not None else default_max_diff(dtype)
 
     def push(self, version: int) -> dict[str, float]:
@@ -106,21 +79,19 @@ class WeightSync:
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.engine is None:  # async: the generation process takes tensors through shared memory
-            self.rollouts.push_weights(policy_state(self.trainer), version)
+            self.rollouts.push_weights(self.trainer.policy_state(), version)
         elif self.lora_adapters:
             metrics.update(self._push_adapter(version))
         else:
-            metrics.update(self.transport.push(policy_state(self.trainer), version) or {})
+            metrics.update(self.transport.push(self.trainer.policy_state(), version) or {})
         metrics["sync/time_s"] = time.perf_counter() - start
         if self.probe_ids:
             metrics["sync/logprob_max_abs_diff"], metrics["sync/logprob_mean_abs_diff"] = self.check(version)
         return metrics
 
     def _push_adapter(self, version: int) -> dict[str, float]:
-        from rollwise.train.lora import save_adapter
-
         folder = self.sync_dir / f"adapter-v{version}"
-        save_adapter(self.trainer.model, folder)
+        self.trainer.adapter_folder(folder)
         self.engine.update_adapter(folder, version)
         for old in self.sync_dir.glob("adapter-v*"):
             if old != folder and old.name.removeprefix("adapter-v").isdigit() and \
@@ -135,7 +106,7 @@ class WeightSync:
         (a NaN anywhere, not only first: Python's `max` skips a NaN that does not come first), when the engine
         answered for a different number of tokens, or when the max is above the limit."""
         engine_logp = self.engine.probe_logprobs(self.probe_ids)
-        trainer_logp = self.trainer_probe()
+        trainer_logp = self.trainer.probe_logprobs(self.probe_ids)
         if len(engine_logp) != len(trainer_logp) or not trainer_logp:
             raise SyncError(f"weight sync to version {version}: the engine returned {len(engine_logp)} probe "
                             f"log-probs for {len(trainer_logp)} probe tokens; the check cannot compare them")
@@ -157,8 +128,3 @@ class WeightSync:
                 "or a dtype mismatch); rerun with --debug and report it, or raise the limit if the engine's "
                 "precision explains it")
         return gap, sum(gaps) / len(gaps)
-
-    def trainer_probe(self) -> list[float]:
-        if hasattr(self.trainer, "probe_logprobs"):  # FSDP2: a collective forward on every rank
-            return self.trainer.probe_logprobs(self.probe_ids)
-        return model_probe_logprobs(self.trainer.model, self.probe_ids)

@@ -4,11 +4,12 @@
 - `safetensors`: the full HF state dict written as a folder `sync_dir/v<version>` (tmp dir + rename), then
   `engine.reload_from(folder, version)`; older folders are deleted. The state dict must be whole: a missing
   weight, or part of a fused group (q/k/v, gate/up), is refused, because vLLM fuses those groups on load and
-  a partial group loads NaN / stale rows.
+  a partial group loads NaN / stale rows (the folder format: `rollwise.models.weights_folder`).
 - `nccl`: vLLM's native GPU weight transfer (`vllm.distributed.weight_transfer`, vLLM 0.32): the trainer
   process is rank 0 of a transfer group and streams every tensor into the engine workers, which load it
   in place (`start_weight_update` / `update_weights` / `finish_weight_update`). Needs CUDA; not tested here.
-- `auto`: `tensors` for the torch engine, `safetensors` for vLLM on CPU, `nccl` for vLLM on CUDA.
+- `auto`: `tensors` for an engine whose `caps.tensors` is set (the torch engine, Ray torch workers) or that cannot
+  `reload_from`; else `safetensors` on CPU, `nccl` on CUDA (vLLM).
 
 `push(state_dict, version)` returns metrics: `sync/time_s` (wall seconds of the whole push) and `sync/bytes`
 (tensor bytes sent).
@@ -16,26 +17,21 @@
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import shutil
 import socket
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
-from rollwise.models.atomic import fsync_dir
+from rollwise.models.weights_folder import (
+    checkpoint_names,
+    delete_older_versions,
+    state_bytes,
+    tied_embeddings,
+    write_version_dir,
+)
 
 TRANSPORTS = ("auto", "tensors", "safetensors", "nccl")
-WEIGHTS_FILE = "model.safetensors"
-# files of the model folder copied next to the weights, so the folder is a loadable HF model on its own
-SIDE_FILES = ("config.json", "generation_config.json")
-# checkpoint names vLLM loads as one fused tensor: every member must come together
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-_VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
 class Transport:
@@ -74,13 +70,13 @@ class SafetensorsTransport(Transport):
         self.sync_dir = Path(sync_dir)
         self.model_dir = Path(engine.model_dir)
         self.expected = checkpoint_names(self.model_dir)
-        self.tied = _tied(self.model_dir)
+        self.tied = tied_embeddings(self.model_dir)
 
     def push(self, state_dict, version):
         start = time.perf_counter()
         folder, nbytes = write_version_dir(state_dict, version, self.sync_dir, self.model_dir,
                                            expected=self.expected, tied=self.tied,
-                                           dtype=getattr(self.engine, "dtype", None))
+                                           dtype=self.engine.dtype)
         self.engine.reload_from(folder, version)
         delete_older_versions(self.sync_dir, keep=folder)
         return {"sync/time_s": time.perf_counter() - start, "sync/bytes": float(nbytes)}
@@ -93,16 +89,16 @@ def build_transport(name: str, engine, sync_dir: str | Path | None = None) -> Tr
     if name == "auto":
         name = _auto_name(engine)
     if name == "tensors":
-        if not getattr(engine, "accepts_tensors", hasattr(engine, "model")):
+        if not engine.caps.tensors:
             raise ValueError(f"sync.transport = 'tensors' copies into an in-process torch engine; "
                              f"{type(engine).__name__} takes 'safetensors' or 'nccl'")
         return TensorsTransport(engine)
     if name == "safetensors":
-        if not hasattr(engine, "reload_from"):
+        if not engine.caps.reload_from:
             raise ValueError(f"sync.transport = 'safetensors' needs an engine with reload_from (vLLM); "
                              f"{type(engine).__name__} takes 'tensors'")
         if sync_dir is None:
-            sync_dir = getattr(engine, "sync_dir", None)
+            sync_dir = engine.sync_dir
         if sync_dir is None:
             raise ValueError("sync.transport = 'safetensors' needs a sync folder (pass sync_dir)")
         return SafetensorsTransport(engine, sync_dir)
@@ -110,119 +106,9 @@ def build_transport(name: str, engine, sync_dir: str | Path | None = None) -> Tr
 
 
 def _auto_name(engine) -> str:
-    if getattr(engine, "accepts_tensors", False) or not hasattr(engine, "reload_from"):
+    if engine.caps.tensors or not engine.caps.reload_from:
         return "tensors"
-    device = getattr(engine, "device", torch.device("cpu"))
-    return "nccl" if torch.device(device).type == "cuda" else "safetensors"
-
-
-# -- the safetensors folder ----------------------------------------------------------------------------
-def state_bytes(state_dict: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state_dict.values())
-
-
-def checkpoint_names(model_dir: str | Path) -> set[str]:
-    """Tensor names stored in the model folder's `*.safetensors` files (headers only, nothing loaded)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors file; save the model with save_pretrained "
-                                f"(safe_serialization) first")
-    names: set[str] = set()
-    for path in files:
-        with safe_open(str(path), framework="pt") as fh:
-            names.update(fh.keys())
-    return names
-
-
-def _tied(model_dir: Path) -> bool:
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config") or {}
-    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-
-
-def check_whole(state_dict: dict[str, torch.Tensor], expected: set[str]) -> None:
-    """Refuse a state dict that is not the whole checkpoint `expected` (names as `save_pretrained` writes).
-
-    Raises ValueError naming the missing tensors, and first any fused group (q/k/v, gate/up) sent in part.
-    """
-    given = set(state_dict)
-    partial = []
-    for name in sorted(given):
-        for group in FUSED_GROUPS:
-            for member in group:
-                if f".{member}." not in name:
-                    continue
-                siblings = [name.replace(f".{member}.", f".{other}.") for other in group]
-                lacking = [s for s in siblings if s not in given and s in expected]
-                if lacking:
-                    partial.append(f"{name} without {', '.join(lacking)}")
-    if partial:
-        raise ValueError(f"weight sync refused: part of a fused group ({'; '.join(partial[:4])}"
-                         f"{'...' if len(partial) > 4 else ''}); vLLM loads q/k/v and gate/up as one tensor, "
-                         f"send whole groups (the full state dict)")
-    missing = sorted(expected - given)
-    if missing:
-        raise ValueError(f"weight sync refused: {len(missing)} tensor(s) missing from the state dict "
-                         f"({', '.join(missing[:6])}{'...' if len(missing) > 6 else ''}); send the full state "
-                         f"dict (model.state_dict() names)")
-    unknown = sorted(given - expected)
-    if unknown:
-        raise ValueError(f"weight sync refused: {len(unknown)} tensor(s) not in the engine's checkpoint "
-                         f"({', '.join(unknown[:6])}); state dict names must be the HF names save_pretrained writes")
-
-
-def write_version_dir(state_dict: dict[str, torch.Tensor], version: int, sync_dir: str | Path,
-                      model_dir: str | Path, expected: set[str] | None = None, tied: bool | None = None,
-                      dtype: torch.dtype | None = None) -> tuple[Path, int]:
-    """Write the state dict as `sync_dir/v<version>/model.safetensors` (+ config files), atomically.
-
-    A tied model's `lm_head.weight` (present in `state_dict()`, absent from `named_parameters()`) is dropped:
-    the embedding is written once, as `save_pretrained` does. Floating tensors are cast to `dtype` (the
-    engine's) when given. Returns (folder, tensor bytes written).
-    """
-    from safetensors.torch import save_file
-
-    model_dir, sync_dir = Path(model_dir), Path(sync_dir)
-    expected = checkpoint_names(model_dir) if expected is None else expected
-    tied = _tied(model_dir) if tied is None else tied
-    state = dict(state_dict)
-    if tied and "lm_head.weight" in state and "lm_head.weight" not in expected:
-        del state["lm_head.weight"]
-    check_whole(state, expected)
-    tensors = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        tensors[name] = tensor.to("cpu").contiguous().clone()  # own storage: safetensors refuses shared tensors
-    sync_dir.mkdir(parents=True, exist_ok=True)
-    final = sync_dir / f"v{int(version)}"
-    tmp = sync_dir / f".tmp-v{int(version)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for side in SIDE_FILES:
-            if (model_dir / side).exists():
-                shutil.copyfile(model_dir / side, tmp / side)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(sync_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final, state_bytes(tensors)
-
-
-def delete_older_versions(sync_dir: str | Path, keep: Path) -> None:
-    """Remove every `v<N>` folder of `sync_dir` but `keep` (and stale tmp folders of this process)."""
-    for path in Path(sync_dir).iterdir():
-        if path == keep or not path.is_dir():
-            continue
-        if _VERSION_DIR.match(path.name) or path.name.startswith(".tmp-v") and f"-{os.getpid()}-" in path.name:
-            shutil.rmtree(path, ignore_errors=True)
+    return "nccl" if torch.device(engine.device).type == "cuda" else "safetensors"
 
 
 # -- vLLM's native GPU transfer --------------------------------------------------------------------------
@@ -244,7 +130,9 @@ class NcclTransport(Transport):
         if not torch.cuda.is_available():
             raise RuntimeError("sync.transport = 'nccl' needs CUDA (vLLM's native GPU weight transfer); on "
                                "CPU use 'safetensors' (or 'auto')")
-        if not hasattr(engine, "llm") or getattr(engine, "weight_transfer_backend", None) is None:
+        from rollwise.generate.vllm_engine import VLLMEngine
+
+        if not isinstance(engine, VLLMEngine) or engine.weight_transfer_backend is None:
             raise ValueError(f"sync.transport = 'nccl' needs an in-process VLLMEngine on CUDA started with a "
                              f"weight_transfer_config; got {type(engine).__name__}")
         self.engine = engine

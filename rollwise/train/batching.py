@@ -44,11 +44,6 @@ class MicroBatch:
     advantages: torch.Tensor
     real_tokens: int
     layout: list | None = None  # prompt-shared rows: one `RowLayout` per row (block attention)
-    # distillation: teacher log-probs [S, T] (NaN where a sample was not scored), teacher top-k
-    # (log-probs [S, T, k], ids [S, T, k]) and per-sample loss weights [S, 3] (reward, teacher, sft)
-    teacher_logp: torch.Tensor | None = None
-    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
-    loss_weights: torch.Tensor | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -137,36 +132,7 @@ def collate(samples: list[Sample], pad_id: int, share_prompt: bool = False, vers
     mb = MicroBatch(ordered, input_ids, attention, positions, targets, loss_mask, behaviour_logp=blp, full_logp=full,
                     valid=valid, current=current_version_mask(ordered, T, version), pred_index=pred_index,
                     advantages=adv, real_tokens=real, layout=shared_layout)
-    add_distill_tensors(mb, ordered, T)
     return mb
-
-
-def add_distill_tensors(mb: MicroBatch, samples: list[Sample], T: int) -> None:
-    """Teacher log-probs, top-k and loss weights of `samples` onto `mb` (left None when nothing carries them)."""
-    S = len(samples)
-    mb.loss_weights = torch.tensor([list(s.loss_weights) for s in samples], dtype=torch.float32)  # [S, 3]
-    # samples pickled before the field existed (a checkpoint's carried or replayed groups) have none
-    scores = [getattr(s, "teacher_logprobs", None) or [] for s in samples]
-    if any(scores):
-        mb.teacher_logp = torch.full((S, T), float("nan"))
-        for b, (s, lp) in enumerate(zip(samples, scores)):
-            if lp:
-                if len(lp) != len(s.response_ids):
-                    raise ValueError(f"sample of group {s.group_id}: {len(lp)} teacher log-probs for "
-                                     f"{len(s.response_ids)} response tokens")
-                mb.teacher_logp[b, :len(s.response_ids)] = torch.tensor(lp)
-    topk = [getattr(s, "teacher_topk", None) for s in samples]
-    k = next((len(t[0][0]) for t in topk if t is not None and t[0]), 0)  # an empty response's top-k is ([], [])
-    if k:
-        lp, ids = torch.zeros((S, T, k)), torch.zeros((S, T, k), dtype=torch.long)
-        for b, (s, t) in enumerate(zip(samples, topk)):
-            if t is not None and t[0]:
-                if len(t[0]) != len(s.response_ids):
-                    raise ValueError(f"sample of group {s.group_id}: teacher top-k of {len(t[0])} tokens for "
-                                     f"{len(s.response_ids)} response tokens")
-                n = len(s.response_ids)
-                lp[b, :n], ids[b, :n] = torch.tensor(t[0]), torch.tensor(t[1])
-        mb.teacher_topk = (lp, ids)
 
 
 def current_version_mask(samples: list[Sample], T: int, version: int | None) -> torch.Tensor:

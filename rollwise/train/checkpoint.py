@@ -12,7 +12,6 @@ directory it leaves is removed by the next `latest_checkpoint` or `save_checkpoi
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from rollwise.errors import UserError, is_disk_full
 from rollwise.models.atomic import fsync_dir, fsync_tree, publish_dir, remove_dir, write_text_atomic
 
 CHECKPOINTS = "checkpoints"
@@ -81,7 +81,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     return root / name
 
 
-class CheckpointError(OSError):
+class CheckpointError(UserError, OSError):
     """A checkpoint could not be written (disk full) or would hold non-finite weights; nothing was replaced."""
 
 
@@ -93,14 +93,6 @@ def _disk_full(path: Path, needed: int, free: int) -> "CheckpointError":
         f"disk full: checkpoint {path} needs about {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free; "
         "the previous checkpoint and 'latest' are intact. Free space (or set run.keep_checkpoints) and "
         "resume with --resume")
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """True for "no space left" (or over quota / file-size limit), whichever library raised it."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return True
-    text = str(exc)
-    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
 
 
 def estimate_bytes(model, trainer_state: dict, state_dict: dict | None = None) -> int:

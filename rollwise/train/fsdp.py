@@ -16,9 +16,7 @@ Rank 0 is the driver and exposes the `Trainer` API; ranks 1..N-1 follow its comm
 from __future__ import annotations
 
 import atexit
-import copy
 import math
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,9 +81,9 @@ def _broadcast_module(module: torch.nn.Module) -> None:
 
 class FSDPTrainer(Trainer):
     """`Trainer` over N FSDP2 ranks. Rank 0 (the driver) calls `step`, `skip_step`, `kl_penalties`,
-    `policy_state_dict`, `probe_logprobs`, `save_shards`, `load_shards`, `close`; workers run `run_command`.
+    `policy_state`, `probe_logprobs`, `write_checkpoint`, `load_state_dict`, `close`; workers run `run_command`.
 
-    The process group must exist (`build_trainer` or `rollwise.train.distributed.worker_main` set it up).
+    The process group must exist (`build_trainer` or `rollwise.train.launch.worker_main` set it up).
     `model` is this rank's copy of the policy (rank 0's weights are broadcast to all); `ref_model` stays
     unsharded on each rank, so `kl_penalties` needs rank 0 alone.
     """
@@ -94,6 +92,7 @@ class FSDPTrainer(Trainer):
                  max_new_tokens: int = 64, *, rank: int, world_size: int, workers: ranks.Workers | None = None):
         self.rank, self.world_size = rank, world_size
         self.workers = workers
+        self.closers: list = []  # run after the ranks are stopped by `close` (e.g. Ray actors' bundles freed)
         self.closed, self._broken = False, False
         device_type = next(model.parameters()).device.type
         _broadcast_module(model)
@@ -110,13 +109,13 @@ class FSDPTrainer(Trainer):
 
     # ------------------------------------------------------------------ the driver's API (rank 0)
 
-    def step(self, samples, version: int | None = None) -> dict[str, float]:
-        return self._command(("step", samples, version))
+    def step(self, samples, version: int | None = None, terms=None) -> dict[str, float]:
+        return self._command(("step", samples, version, terms))
 
     def skip_step(self) -> None:
         self._command(("skip_step",))
 
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+    def policy_state(self) -> dict[str, torch.Tensor]:
         """The full, unsharded policy weights under HF names, on CPU (rank 0; every rank takes part)."""
         return self._command(("state_dict",))
 
@@ -124,14 +123,31 @@ class FSDPTrainer(Trainer):
         """Log-probs at temperature 1 of token_ids[1:] by the sharded policy (a forward on every rank)."""
         return self._command(("probe", list(token_ids)))
 
-    def save_shards(self, directory: Path) -> None:
-        """Write the sharded optimizer state (`torch.distributed.checkpoint`) into `directory` from every rank."""
-        self._command(("save", str(directory)))
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The HF model of a checkpoint holds the gathered full weights (rank 0)."""
+        return self.policy_state()
 
-    def load_shards(self, directory: Path, extra: dict[str, Any]) -> None:
-        """Load `save_shards`' optimizer state from `directory` on every rank, and the replicated rest
-        (`extra`: scheduler, updates, nonfinite_streak, value_head state dicts)."""
-        self._command(("load", str(directory), extra))
+    def write_checkpoint(self, directory: Path) -> None:
+        """The sharded optimizer state (`torch.distributed.checkpoint`), written by every rank into
+        `directory/SHARDS_DIR`."""
+        self._command(("save", str(Path(directory) / SHARDS_DIR)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The replicated part of the trainer state; the optimizer's is in the checkpoint's shards."""
+        return {"optimizer": None, "fsdp": {"world_size": self.world_size}, **self._replicated_state()}
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """Every rank loads its optimizer shard from `checkpoint/SHARDS_DIR`, and the replicated rest. ValueError
+        (one line) for a checkpoint of the local backend or of another number of ranks."""
+        saved, name = state.get("fsdp"), f"checkpoint step-{state.get('step')}"
+        if saved is None:
+            raise ValueError(f"{name} was written by train.backend = 'local'; resume it with train.backend = "
+                             "'local' (its optimizer state is not sharded)")
+        if saved["world_size"] != self.world_size:
+            raise ValueError(f"{name} holds optimizer state sharded over {saved['world_size']} ranks, this run has "
+                             f"{self.world_size}; resume with train.world_size = {saved['world_size']}")
+        extra = {key: state.get(key) for key in ("scheduler", "updates", "nonfinite_streak", "value_head", "step")}
+        self._command(("load", str(Path(checkpoint) / SHARDS_DIR), extra))
 
     def close(self) -> None:
         """Rank 0: the workers exit (killed if they do not within 10 s), the process group goes. Idempotent."""
@@ -145,10 +161,14 @@ class FSDPTrainer(Trainer):
         except Exception:
             self._broken = True
         finally:
-            if self.workers is not None:
-                self.workers.stop(grace_s=0.0 if self._broken else 10.0)
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            try:
+                if self.workers is not None:
+                    self.workers.stop(grace_s=0.0 if self._broken else 10.0)
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            finally:
+                for close in self.closers:
+                    close()
 
     def _command(self, command: tuple):
         if self.closed:
@@ -210,7 +230,7 @@ class FSDPTrainer(Trainer):
         return {name.removeprefix(_ROOT_PREFIX): tensor for name, tensor in state.items()}
 
     def _probe(self, token_ids: list[int]) -> list[float]:
-        from rollwise.sync import model_probe_logprobs
+        from rollwise.models.probe import model_probe_logprobs
 
         with torch.no_grad():
             return self.root(model_probe_logprobs, token_ids)
@@ -232,11 +252,7 @@ class FSDPTrainer(Trainer):
         state = self._optimizer_state()
         dcp.load(state, checkpoint_id=directory)
         set_optimizer_state_dict(self._holder, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self.updates = extra.get("updates", 0)
-        self.nonfinite_streak = extra.get("nonfinite_streak", 0)
-        if self.value_head is not None and extra.get("value_head") is not None:
-            self.value_head.load_state_dict(extra["value_head"])
+        self._load_replicated(extra)
 
     # ------------------------------------------------------------------ the Trainer hooks
 
@@ -308,76 +324,3 @@ class FSDPTrainer(Trainer):
             dist.all_gather_object(names, bad)
             first = next(n for n in names if n)
             raise NonFiniteError(f"parameter {first} holds NaN/Inf {where}; lower train.lr or check the loss")
-
-
-def build_trainer(cfg, model, pad_id: int, ref_model=None, model_path: str | None = None, *,
-                  rendezvous: ranks.Rendezvous | None = None, timeout_s: float = ranks.DEFAULT_TIMEOUT_S):
-    """The run's trainer: today's `Trainer` for `train.backend = "local"` or `train.world_size = 1`, else an
-    `FSDPTrainer` (rank 0) with ranks 1..N-1 started here (spawn), or met at `rendezvous` / torchrun's env.
-
-    `model` stays unsharded (rank 0 shards a copy: the caller's engine may share `model`); `model_path` is an HF
-    directory or model name the workers load the architecture from (default `cfg.model.name`); `ref_model` is
-    rank 0's frozen reference (workers load their own from `cfg.model.name`).
-    """
-    train = cfg.train
-    if train.backend == "local" or train.world_size == 1:
-        return Trainer(model, train, cfg.algo, pad_id, ref_model=ref_model, temperature=cfg.rollout.temperature,
-                       max_new_tokens=cfg.rollout.max_new_tokens)
-    if getattr(cfg, "lora", None) is not None and cfg.lora.rank > 0:
-        raise ValueError("lora.rank > 0 with train.backend = 'fsdp2' is not supported yet; use train.backend = "
-                         "'local' for LoRA")
-    world = train.world_size
-    spawn = False
-    if rendezvous is None:
-        env = ranks.Rendezvous.from_env()
-        if env is not None and env.world_size > 1:
-            if int(os.environ.get("RANK", "0")) != 0:
-                raise RuntimeError("build_trainer runs on rank 0 only; ranks > 0 call "
-                                   "rollwise.train.distributed.worker_main_from_env(cfg)")
-            rendezvous = env
-        else:
-            rendezvous, spawn = ranks.Rendezvous("127.0.0.1", ranks.free_port(), world), True
-    if rendezvous.world_size != world:
-        raise ValueError(f"train.world_size = {world} but the launcher started {rendezvous.world_size} ranks; "
-                         "make them equal")
-    device_type = next(model.parameters()).device.type
-    store = rendezvous.store(0, timeout_s)
-    ranks.publish_init(store, {"pad_id": pad_id, "device_type": device_type, "threads": torch.get_num_threads(),
-                               "timeout_s": timeout_s, "has_ref": ref_model is not None})
-    processes = ranks.spawn_workers(world, rendezvous, cfg.model_dump_json(), model_path or cfg.model.name) \
-        if spawn else []
-    workers = ranks.Workers(store, world, processes)
-    try:
-        workers.wait_ready(timeout_s)
-        ranks.init_process_group(0, world, store, device_type, timeout_s)
-        try:
-            return FSDPTrainer(copy.deepcopy(model), train, cfg.algo, pad_id, ref_model=ref_model,
-                               temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
-                               rank=0, world_size=world, workers=workers)
-        except BaseException as exc:
-            report = workers.failure(wait_s=5.0 if ranks.looks_like_comm_error(exc) else 0.0)
-            if report is None:
-                raise
-            raise RuntimeError(report) from exc
-    except BaseException:
-        workers.stop(grace_s=0.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-
-
-def check_resume_backend(state: dict, trainer) -> None:
-    """ValueError (one line) when a checkpoint's trainer state cannot go into `trainer`: written by the other
-    backend, or sharded over another number of ranks."""
-    saved = state.get("fsdp")
-    ranks_now = trainer.world_size if isinstance(trainer, FSDPTrainer) else None
-    name = f"checkpoint step-{state.get('step')}"
-    if saved is None and ranks_now is not None:
-        raise ValueError(f"{name} was written by train.backend = 'local'; resume it with train.backend = 'local' "
-                         "(its optimizer state is not sharded)")
-    if saved is not None and ranks_now is None:
-        raise ValueError(f"{name} holds optimizer state sharded over {saved['world_size']} FSDP2 ranks; resume "
-                         f"it with train.backend = 'fsdp2' and train.world_size = {saved['world_size']}")
-    if saved is not None and saved["world_size"] != ranks_now:
-        raise ValueError(f"{name} holds optimizer state sharded over {saved['world_size']} ranks, this run has "
-                         f"{ranks_now}; resume with train.world_size = {saved['world_size']}")

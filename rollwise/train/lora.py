@@ -7,7 +7,7 @@ adapted model starts equal to the base. PEFT owns the layers; this module adds w
 - `apply_lora(model, cfg.lora, seed)`: wrap the policy (deterministic adapter init, clear error on a target name
   that matches nothing); only adapter parameters require grad.
 - The reference model for KL is the same network with adapters disabled (`with model.disable_adapter():`), so
-  LoRA runs never hold a second copy of the base (the Trainer does this when `ref_model` is None).
+  LoRA runs never hold a second copy of the base (`rollwise.train.lora_trainer.LoraTrainer` does this).
 - `merged_state_dict(model)`: W + (alpha / r) B A under the plain model's parameter names, for engines that take
   full weights (the torch engine's `update_weights`), computed without merging the trained model in place.
 - Checkpoints: `write_lora_checkpoint` / `load_lora_checkpoint`. Layout of a LoRA checkpoint directory:
@@ -179,13 +179,6 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
                 bias_key = f"{module_name}.bias"
                 out[bias_key] = out[bias_key] + layer.lora_B[adapter].bias * layer.scaling[adapter]
     return out
-
-
-def engine_state_dict(model) -> dict[str, torch.Tensor]:
-    """The weights an engine that takes full tensors should receive: merged for LoRA, else the parameters."""
-    if is_lora(model):
-        return merged_state_dict(model)
-    return {name: p.detach() for name, p in model.named_parameters()}
 
 
 # -- saving and loading ------------------------------------------------------------------------------------

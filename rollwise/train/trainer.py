@@ -11,19 +11,21 @@ import math
 import re
 import warnings
 from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from rollwise.errors import UserError
 from rollwise import algo
 from rollwise.config import AlgoConfig, TrainConfig
-from rollwise.distill.terms import StepTerms
 from rollwise.hardware import bf16_is_native
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
 from rollwise.train.critic import ValueHead
 from rollwise.train.logprobs import response_hidden, token_logprobs
-from rollwise.train.lora import is_lora
 from rollwise.train.objective import Objective
 from rollwise.train.shared_attention import NAME as SHARED_ATTENTION
+from rollwise.train.terms import LossTerms, PolicyTerms
 from rollwise.types import Sample
 
 
@@ -49,16 +51,39 @@ def lr_lambda(cfg: TrainConfig):
     return fn
 
 
+class FrozenReference:
+    """The KL reference as a frozen model of its own (`model`): the starting policy."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def logprobs(self, trainer: "Trainer", mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        return trainer._frozen_logprobs(self.model, mbs)
+
+
 class Trainer:
-    """Owns the policy's optimizer, schedule and (optionally) a frozen reference model."""
+    """Owns the policy's optimizer, schedule and (optionally) a KL reference, and the policy version.
+
+    `version` counts the RL steps applied (each `step` or `skip_step` adds one): the one policy version of a run,
+    pushed to the engines by the Sync stage and stamped on the samples they generate. `updates` counts optimizer
+    steps (several per RL step with minibatches or epochs); it seeds the stochastic loss entries.
+
+    `reference`: where KL reference log-probs come from (`FrozenReference`, or with LoRA the policy with its
+    adapters off, `rollwise.train.lora.AdapterOffReference`); None = no reference."""
+
+    has_adapter = False  # trains a LoRA adapter it can write alone (`rollwise.train.lora_trainer`)
+    world_size = 1  # processes that hold a shard of the policy (FSDP2)
 
     def __init__(self, model, train_cfg: TrainConfig, algo_cfg: AlgoConfig, pad_id: int, ref_model=None,
-                 temperature: float = 1.0, max_new_tokens: int = 64):
+                 temperature: float = 1.0, max_new_tokens: int = 64, reference=None):
         self.model = model
         self.cfg = train_cfg
         self.algo = algo_cfg
         self.pad_id = pad_id
         self.ref_model = ref_model
+        self.reference = reference if reference is not None else (
+            FrozenReference(ref_model) if ref_model is not None else None)
+        self.version = 0
         self.temperature = temperature if temperature > 0 else 1.0
         self.device_type = next(model.parameters()).device.type
         self.bf16 = use_bf16(train_cfg.precision, self.device_type)
@@ -74,7 +99,7 @@ class Trainer:
         if self.value_head is not None:  # a fresh layer: its own, larger learning rate
             params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})
         self.updates = 0  # optimizer steps so far: seeds the stochastic loss entries
-        self.terms = StepTerms()  # this step's distillation terms (rollwise.distill.terms), set by the loop
+        self.terms: LossTerms = PolicyTerms()  # the running step's (an argument of `step`)
         self.nonfinite_streak = 0  # RL steps in a row with an optimizer step skipped for NaN/Inf
         self._nonfinite_loss = False  # set by `_backward` when a micro-batch loss is NaN/Inf
         self.optimizer = torch.optim.AdamW(  # fused: one kernel per step instead of one per op and tensor
@@ -115,23 +140,22 @@ class Trainer:
 
     @property
     def has_reference(self) -> bool:
-        """A reference policy exists: the frozen `ref_model`, or the LoRA policy's base (adapters disabled)."""
-        return self.ref_model is not None or is_lora(self.model)
+        return self.reference is not None
 
     def _reference_logprobs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
-        """Reference log-probs per micro-batch ([S, T] each): `ref_model`'s, or with LoRA and no `ref_model` the
-        policy's own with its adapters disabled, i.e. the base weights without a second copy of them."""
-        if self.ref_model is not None:
-            return self._frozen_logprobs(self.ref_model, mbs)
-        with self.model.disable_adapter():
-            return self._frozen_logprobs(self.model, mbs)
+        """Reference log-probs per micro-batch ([S, T] each), from `reference`."""
+        return self.reference.logprobs(self, mbs)
 
-    def step(self, samples: list[Sample], version: int | None = None) -> dict[str, float]:
-        """One RL update on `samples` (advantages already set). Returns `train/*` and `mismatch/*`.
+    def step(self, samples: list[Sample], version: int | None = None, terms: LossTerms | None = None
+             ) -> dict[str, float]:
+        """One RL update on `samples` (advantages already set) with a method's `terms` (None: `PolicyTerms`, the
+        plain policy loss). Returns `train/*`, `mismatch/*` and the terms' metrics; the version moves on by one.
 
         `version` is the policy version the trainer holds (the weights before this update): `mismatch/*`
         measures the numerical gap on tokens that version generated and reports older ones as stale; None
         counts every token as current."""
+        self.terms = terms if terms is not None else PolicyTerms()
+        self.version += 1
         self.model.train()
         minibatches = _split(samples, self.cfg.minibatches_per_epoch)
         single_update = self.cfg.ppo_epochs == 1 and len(minibatches) == 1
@@ -145,7 +169,7 @@ class Trainer:
         if self.algo.kl_coef > 0 and not self.algo.kl_in_reward and self.has_reference:
             ref = [self._reference_logprobs(p) for p in mine]
         critic = [self._critic_targets(p) for p in mine] if self.value_head is not None else None
-        self.terms.start_step()  # distill/* are taken over the whole batch at the end (StepTerms.step_metrics)
+        self.terms.start()  # a method's metrics are taken over the whole batch at the end (`terms.metrics`)
         acc = _Accumulator()
         skipped = 0
         for epoch in range(self.cfg.ppo_epochs):
@@ -163,7 +187,7 @@ class Trainer:
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
         self._check_finite_weights("after the update")
         out = self._merged(acc).means()
-        out.update(self.terms.step_metrics())
+        out.update(self.terms.metrics())
         out["train/nonfinite_steps"] = float(skipped)  # optimizer steps skipped for a NaN/Inf loss or gradient
         out["train/nonfinite_streak"] = float(self.nonfinite_streak)
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -199,6 +223,56 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return finite
 
+    # -- the backend's weights and state (session.py and sync/ call these; FSDP2 and LoRA override them) -----
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The full policy weights under the model's HF parameter names (what an engine loads)."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs at temperature 1 of `token_ids[1:]` under the policy (the Sync stage's check)."""
+        from rollwise.models.probe import model_probe_logprobs
+
+        return model_probe_logprobs(self.model, token_ids)
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights a checkpoint's HF model holds; None = the policy module's own."""
+        return None
+
+    def write_checkpoint(self, directory: Path) -> None:
+        """Write what this backend keeps beside the HF model and `trainer_state.pt` (nothing here)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's part of `trainer_state.pt`: optimizer, schedule, counters, value head."""
+        return {"optimizer": self.optimizer.state_dict(), "fsdp": None, **self._replicated_state()}
+
+    def _replicated_state(self) -> dict[str, Any]:
+        """What every backend saves the same way (one copy, not sharded)."""
+        return {"scheduler": self.scheduler.state_dict(), "updates": self.updates,
+                "nonfinite_streak": self.nonfinite_streak,
+                "value_head": None if self.value_head is None else self.value_head.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """Restore `state_dict` (from the checkpoint at `checkpoint`); the version is the checkpoint's step.
+        ValueError (one line) for a checkpoint another backend wrote."""
+        if state.get("fsdp") is not None:
+            raise ValueError(f"checkpoint step-{state.get('step')} holds optimizer state sharded over "
+                             f"{state['fsdp']['world_size']} FSDP2 ranks; resume it with train.backend = 'fsdp2' and "
+                             f"train.world_size = {state['fsdp']['world_size']}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_replicated(state)
+
+    def _load_replicated(self, state: dict[str, Any]) -> None:
+        """What every backend restores the same way: schedule, counters, value head, version."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.updates = state.get("updates", 0)
+        self.nonfinite_streak = state.get("nonfinite_streak", 0)
+        self.version = state["step"]
+        if self.value_head is not None and state.get("value_head") is not None:
+            self.value_head.load_state_dict(state["value_head"])
+
+    def close(self) -> None:
+        """Nothing to release in one process."""
+
     def kl_penalties(self, samples: list[Sample]) -> list[float]:
         """`algo.kl_in_reward`: per-sample summed KL penalty `-kl_coef * sum_t k(behaviour, ref)`, in order."""
         if not self.has_reference:
@@ -232,7 +306,8 @@ class Trainer:
         return response_hidden(self.model, mb)
 
     def skip_step(self) -> None:
-        """Advance the lr schedule on a step without an update (every group was filtered out)."""
+        """A step without an update (every group was filtered out): the version and the lr schedule move on."""
+        self.version += 1
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
@@ -245,23 +320,21 @@ class Trainer:
         metrics."""
         mask = mb.loss_mask  # [B, T]
         terms = self.terms
-        hidden: list | None = [] if critic is not None or terms.needs_logits else None
+        hidden: list | None = [] if critic is not None or terms.needs_hidden else None
         with self._autocast():
             logp, entropy = self._logprobs(self.model, mb, hidden_out=hidden)  # [B, T] each
         old = logp.detach() if old_logp is None else old_logp
         # the teacher gap compares the student's own untruncated log-probs (not top-p / TRB behaviour ones)
         own = mb.full_logp if self.cfg.old_logprobs == "behaviour" else old
-        advantages, _ = terms.advantages(own, mb, entropy)  # [B] or [B, T]; distill/* come from step_metrics
         metrics: dict[str, float] = {}
-        if terms.sft_only:  # an SFT stage: the NLL of the demonstrations alone
-            loss = logp.new_zeros(())
-        else:
+        loss = logp.new_zeros(())
+        if terms.policy_loss:
+            advantages = terms.advantages(own, mb, entropy)  # [B] or [B, T]
             loss, metrics = self.objective.loss(logp, old, mb.behaviour_logp, advantages, mask, norms, seed,
                                                 entropy=entropy, ref_logp=ref_logp)
-        extra, _ = terms.extra_loss(logp, hidden[0] if hidden else None, self.model.get_output_embeddings().weight,
-                                    mb, lambda per_token, m: self.objective.aggregate(per_token, m, norms))
-        loss = loss + extra
-        measure = measure and not terms.sft_only  # demonstrations have no engine log-probs to compare
+        loss = loss + terms.extra_loss(logp, hidden[0] if hidden else None, self.model.get_output_embeddings().weight,
+                                       mb, lambda per_token, m: self.objective.aggregate(per_token, m, norms))
+        measure = measure and terms.compares_engine
         if critic is not None:
             old_values, returns = critic
             per_token, value_metrics = algo.value_loss(self.value_head(hidden[0], mb), old_values, returns, mask,
@@ -312,7 +385,7 @@ class Trainer:
             acc.add("mismatch/truncation_logprob_gap_mean", float(gap.sum()) / w, w)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """Training produced NaN/Inf: a loss or gradient for too many steps in a row, or the weights themselves."""
 
 

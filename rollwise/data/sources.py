@@ -1,0 +1,34 @@
+"""Which prompt source a run reads: the file dataset of `data.path`, else the task `data.task`.
+
+    source = build_prompt_source(cfg.data, seed)   # FileDataset or the task's PromptSource, split checked
+
+Above both kinds: `rollwise.data.files` and `rollwise.data.tasks` do not import each other's sources.
+"""
+
+from __future__ import annotations
+
+from rollwise.config import DataConfig
+from rollwise.data.files import FileDataset
+from rollwise.data.tasks import TASKS, PromptSource, check_split
+
+
+def build_prompt_source(cfg: DataConfig, seed: int) -> PromptSource:
+    """The file dataset at `cfg.path` when set, else the task `cfg.task` (built-in or 'pkg.mod:factory').
+
+    `data.split` other than "prompt" needs a source that declares it in `splits` (the built-in arith task; a
+    plugin task that implements it sets `splits = ("prompt", "fact")`); any other fails here with a line
+    naming `data.split`. Optional source attributes used by the run: `num_eval` (held-out split size, to cap
+    `eval.n`) and `split_summary()` (the start-of-run data line).
+    """
+    if cfg.path is not None:
+        return FileDataset(cfg, seed)
+    factory = TASKS.get(cfg.task)
+    source = factory(cfg, seed)
+    missing = [a for a in ("name", "default_reward", "train_prompt", "eval_prompts") if not hasattr(source, a)]
+    if missing:
+        raise TypeError(
+            f"task {cfg.task!r} returned {type(source).__name__}, which lacks {', '.join(missing)}; "
+            f"a task factory must return a PromptSource (name, default_reward, train_prompt, eval_prompts)"
+        )
+    check_split(cfg.split, cfg.task, tuple(getattr(source, "splits", ("prompt",))))
+    return source

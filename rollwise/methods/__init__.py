@@ -1,0 +1,20 @@
+"""Methods: what one RL step adds between Filter and Train, one class per method (see `base.Method`).
+
+`METHODS` maps a `[[stage]] kind` to its class: `rl` (GRPO/PPO, the plain step), `opd` and `opsd` (a teacher scores
+every sampled token), `sft` (NLL on demonstrations); a plugin is named by `package.module:Class`. A new method is
+a file plus a line here (or a plugin path), nothing in the loop, session or trainer. Entries are imported when
+first looked up.
+"""
+
+from __future__ import annotations
+
+from rollwise.methods.base import Method, MethodSetup, Prepared, Stage, StepInput
+from rollwise.registry import Registry
+
+METHODS: Registry[type[Method]] = Registry("method")
+METHODS.register_lazy("rl", "rollwise.methods.rl:RL")
+METHODS.register_lazy("opd", "rollwise.methods.teacher:OPD")
+METHODS.register_lazy("opsd", "rollwise.methods.teacher:OPSD")
+METHODS.register_lazy("sft", "rollwise.methods.sft:SFT")
+
+__all__ = ["METHODS", "Method", "MethodSetup", "Prepared", "Stage", "StepInput"]

@@ -1,0 +1,116 @@
+"""The validation step above parsing: every check across keys, and every registry name, before any work.
+
+`rollwise.config.load_config` parses (keys, types, ranges); `validate(cfg)` checks what a run can do with it:
+
+- keys that contradict each other (`run_errors`: off-policy sources without a correction, engines and
+  transports that do not fit, scale-out combinations);
+- methods and stages (`rollwise.methods.checks`: teachers, `[[stage]]` tables, SFT data, TRB);
+- registry names and plugins, data files, optional extras, the sandbox (`rollwise.names`).
+
+It raises `ConfigError` with ONE line for the first problem. Every command calls it (`rollwise train`, `eval`,
+`serve`, `--dry-run`), through `load` or on a config it changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollwise.config import Config, ConfigError, load_config
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Parse and validate: the config a command runs with (`ConfigError` on the first problem)."""
+    return validate(load_config(path, overrides))
+
+
+def validate(cfg: Config) -> Config:
+    """`cfg` when it can run; ConfigError naming the first key that cannot (see the module docstring)."""
+    from rollwise.methods.checks import method_errors
+    from rollwise.names import resolve_names
+
+    errors = run_errors(cfg) + method_errors(cfg)
+    if errors:
+        raise ConfigError(errors[0])
+    resolve_names(cfg)
+    return cfg
+
+
+def run_errors(cfg: Config) -> list[str]:
+    """Contradictions between the run's own sections (not methods, not names)."""
+    return [*_objective_errors(cfg), *_off_policy_errors(cfg), *_scale_out_errors(cfg), *_tracker_errors(cfg)]
+
+
+def _objective_errors(cfg: Config) -> list[str]:
+    from rollwise import algo
+
+    errors = []
+    a = cfg.algo
+    if a.is_correction != "none" and cfg.train.old_logprobs == "behaviour":
+        errors.append(f"algo.is_correction = {a.is_correction!r} corrects the gap between the engine's log-probs "
+                      "and the trainer's old log-probs; set train.old_logprobs = 'recompute'")
+    if algo.is_group_advantage(a.advantage) and cfg.rollout.samples_per_prompt < 2:
+        errors.append(f"algo.advantage = {a.advantage!r} compares the samples of one prompt: "
+                      "rollout.samples_per_prompt must be at least 2 (or use advantage = 'gae' with a critic)")
+    return errors
+
+
+def _off_policy_errors(cfg: Config) -> list[str]:
+    from rollwise import algo
+
+    control, replay, errors = cfg.control, cfg.replay, []
+    sources = [name for name, on in [
+        ("control.partial_rollouts", control.partial_rollouts),
+        (f"replay.kind = {replay.kind!r}", replay.kind != "none"),
+        ("control.mode = 'async' with max_staleness > 0", control.mode == "async" and control.max_staleness > 0),
+    ] if on]
+    if sources and cfg.algo.is_correction == "none":
+        errors.append(f"{sources[0]} trains on tokens sampled by older policies: set algo.is_correction "
+                      "(e.g. 'tis_token') to correct them with their stored behaviour log-probs")
+    if control.partial_rollouts and control.max_staleness < 1:
+        errors.append("control.partial_rollouts continues responses under the next policy version: "
+                      "control.max_staleness must be at least 1")
+    if control.mode == "async" and control.partial_rollouts:
+        errors.append("control.partial_rollouts works with control.mode = 'sync' only (async mode already "
+                      "overlaps the long tail with training)")
+    if replay.kind != "none" and not algo.is_group_advantage(cfg.algo.advantage):
+        errors.append(f"replay.kind = {replay.kind!r} replays stored outcome advantages; algo.advantage = "
+                      f"{cfg.algo.advantage!r} has none (use an outcome estimator: {', '.join(algo.ADVANTAGES.names())})")
+    return errors
+
+
+def _scale_out_errors(cfg: Config) -> list[str]:
+    rollout, train, sync, errors = cfg.rollout, cfg.train, cfg.sync, []
+    if rollout.engine in ("sglang", "openai") and not (rollout.server or "").startswith(("http://", "https://")):
+        errors.append(f"rollout.engine = {rollout.engine!r} is a client of a running server: set rollout.server "
+                      "to its URL, e.g. 'http://127.0.0.1:30000'")
+    if rollout.engine == "torch" and rollout.server is not None:
+        errors.append("rollout.server is for the vllm, sglang and openai engines; the torch engine runs in-process "
+                      "(remove rollout.server or set rollout.engine)")
+    if rollout.engine != "torch" and cfg.control.mode == "async":
+        errors.append(f"control.mode = 'async' runs the torch engine in a second process; with rollout.engine = "
+                      f"{rollout.engine!r} use control.mode = 'sync'")
+    if train.backend == "local" and train.world_size > 1:
+        errors.append("train.world_size > 1 needs train.backend = 'fsdp2'")
+    if sync.transport == "tensors" and rollout.engine != "torch":
+        errors.append(f"sync.transport = 'tensors' copies weights in-process into the torch engine; rollout.engine = "
+                      f"{rollout.engine!r} takes 'safetensors' or 'nccl' (or 'auto')")
+    if cfg.lora.rank > 0 and train.backend == "fsdp2":
+        errors.append("lora.rank > 0 trains adapters on one process: use train.backend = 'local' with LoRA (FSDP2 "
+                      "shards full fine-tuning)")
+    if cfg.cluster.ray and cfg.control.mode == "async":
+        errors.append("cluster.ray places engines as Ray actors; control.mode = 'async' is the single-machine "
+                      "generation process: use control.mode = 'sync'")
+    if cfg.cluster.ray and rollout.engine in ("sglang", "openai"):
+        errors.append(f"cluster.ray starts engines as Ray actors; rollout.engine = {rollout.engine!r} is a client of "
+                      "a server you run yourself: set cluster.ray = false")
+    if sync.transport in ("safetensors", "nccl") and rollout.engine == "torch":
+        errors.append(f"sync.transport = {sync.transport!r} is for vLLM; the torch engine takes 'tensors' (or 'auto')")
+    return errors
+
+
+def _tracker_errors(cfg: Config) -> list[str]:
+    """Each tracker's library is importable now, not at the first step (its extra names the pip line)."""
+    import importlib.util
+
+    return [f"run.trackers: '{name}' is not installed; pip install 'rollwise[{name}]'"
+            for name in cfg.run.trackers if name != "jsonl" and importlib.util.find_spec(name) is None]
