@@ -17,6 +17,8 @@ from rollwise import algo
 from rollwise.config import Config
 from rollwise.types import Group, Sample
 
+CPU = torch.device("cpu")  # a step's rewards and advantages are a few numbers per sample: computed here
+
 
 def estimator_options(cfg: Config) -> dict:
     """Keywords the configured outcome estimator takes from the run's settings."""
@@ -26,20 +28,21 @@ def estimator_options(cfg: Config) -> dict:
 
 def shaped_rewards(samples: list[Sample], cfg: Config, trainer=None) -> tuple[torch.Tensor, dict[str, float]]:
     """`[N]` training rewards of `samples` (shaping, then the KL penalty) and their `reward/*` metrics."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # [N]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=CPU)  # [N]
     metrics: dict[str, float] = {}
     if cfg.algo.shaping:
-        group_ids = torch.tensor([s.group_id for s in samples])  # [N]
-        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-        correct = torch.tensor([bool(s.correct) for s in samples])
+        group_ids = torch.tensor([s.group_id for s in samples], device=CPU)  # [N]
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32, device=CPU)
+        correct = torch.tensor([bool(s.correct) for s in samples], device=CPU)
         names = sorted({k for s in samples for k in s.reward_parts})
-        parts = {k: torch.tensor([s.reward_parts.get(k, 0.0) for s in samples], dtype=torch.float32) for k in names}
+        parts = {k: torch.tensor([s.reward_parts.get(k, 0.0) for s in samples], dtype=torch.float32, device=CPU)
+                 for k in names}
         for name, options in cfg.algo.shaping.items():
             options = {"max_len": cfg.rollout.max_new_tokens, **options}
             rewards = algo.shape_rewards(name, rewards, lengths, group_ids, correct, parts=parts, **options)
         metrics["reward/shaped_mean"] = float(rewards.mean())
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_in_reward and trainer is not None:
-        penalty = torch.tensor(trainer.kl_penalties(samples), dtype=torch.float32)  # [N], <= 0
+        penalty = torch.tensor(trainer.kl_penalties(samples), dtype=torch.float32, device=CPU)  # [N], <= 0
         rewards = rewards + penalty
         metrics["reward/kl_penalty_mean"] = float(penalty.mean())
     return rewards, metrics
@@ -56,7 +59,7 @@ def assign_advantages(groups: list[Group], cfg: Config, trainer=None) -> tuple[l
         s.train_reward = r
     if algo.is_token_advantage(cfg.algo.advantage):
         return samples, metrics
-    group_ids = torch.tensor([s.group_id for s in samples])  # [N]
+    group_ids = torch.tensor([s.group_id for s in samples], device=CPU)  # [N]
     advantages = algo.advantage(cfg.algo.advantage, rewards, group_ids, **estimator_options(cfg))  # [N]
     for s, a in zip(samples, advantages.tolist()):
         s.advantage = a

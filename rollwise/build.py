@@ -31,7 +31,7 @@ from rollwise.distill.guards import Guards
 from rollwise.envs import EnvError, build_env
 from rollwise.envs.episode import EpisodeCodec
 from rollwise.generate.factory import build_engine as build_local_engine, engine_dtype
-from rollwise.hardware import auto_threads, configure_allocator, configure_threads, slow_bf16_warning
+from rollwise.hardware import auto_threads, configure_allocator, configure_threads, resolve_device, slow_bf16_warning
 from rollwise.methods import MethodSetup
 from rollwise.methods.plan import MethodPlan, plan_stages
 from rollwise.methods.sft import load_demo_sources
@@ -51,7 +51,8 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     """Build the run's components; with `resume`, restore the newest complete checkpoint."""
     configure_allocator()
     sandbox.allow_unconfined(cfg.sandbox.allow_unconfined)  # for reward workers too (they inherit it)
-    warning = slow_bf16_warning(cfg.model.dtype, cfg.train.precision)
+    device = resolve_device(cfg.train.device)
+    warning = slow_bf16_warning(cfg.model.dtype, cfg.train.precision, device.type)
     if warning:
         print(warning, flush=True)
     generation_threads = split_threads(cfg)
@@ -67,10 +68,11 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     lora = cfg.lora.rank > 0
     # with LoRA the base always comes from model.name (a LoRA checkpoint holds the adapter, not the model)
     model, tokenizer = load_model(str(ckpt) if ckpt and not lora else cfg.model.name, dtype=torch.float32)
+    model = model.to(device)  # the engine copies it where it is: colocated with the trainer
     ref_model = None
     if cfg.algo.kl_coef > 0 and not lora:  # the frozen reference is always the starting model
         ref_model, _ = load_model(cfg.model.name, dtype=torch.float32)
-        ref_model.eval().requires_grad_(False)
+        ref_model = ref_model.eval().requires_grad_(False).to(device)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     state = load_trainer_state(ckpt) if ckpt is not None else None
@@ -193,7 +195,8 @@ def build_plan(run: Run) -> MethodPlan:
 
     cfg = run.cfg
     stages = plan_stages(cfg.stage, cfg.train.steps, cfg.teacher)
-    setup = MethodSetup(cfg, tokenizer=run.tokenizer, encoder=run.encoder, demo_sources=load_demo_sources(cfg, stages))
+    setup = MethodSetup(cfg, policy=run.model, tokenizer=run.tokenizer, encoder=run.encoder,
+                        demo_sources=load_demo_sources(cfg, stages))
     plan = MethodPlan(stages, setup)
     if plan.uses_teacher:
         pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id

@@ -74,9 +74,9 @@ def train(
     except ConfigError as exc:
         _fail(str(exc))
     if dry_run:
-        from rollwise.hardware import slow_bf16_warning
+        from rollwise.hardware import resolve_device, slow_bf16_warning
 
-        warning = slow_bf16_warning(cfg.model.dtype, cfg.train.precision)
+        warning = slow_bf16_warning(cfg.model.dtype, cfg.train.precision, resolve_device(cfg.train.device).type)
         if warning:
             typer.echo(warning, err=True)
         typer.echo(to_toml(cfg))

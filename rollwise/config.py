@@ -47,7 +47,8 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    name: str = Field(EMBEDDED_MODEL, description="embedded model name or a local HF model directory")
+    name: str = Field(EMBEDDED_MODEL, description="embedded model name, a local HF model directory, or a hub id "
+                      "'org/name[@revision]' (through the HF cache; offline with HF_HUB_OFFLINE=1)")
     dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="rollout engine dtype; auto = bfloat16 where the CPU has native bf16"
     )
@@ -57,7 +58,8 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     task: str = Field("arith", description="built-in task (arith, letters) or plugin 'pkg.mod:fn'")
-    path: str | None = Field(None, description="JSONL / Parquet file or HF datasets directory")
+    path: str | None = Field(None, description="JSONL / Parquet file, an HF datasets directory or dataset folder, or a "
+                             "hub dataset id 'org/name[@revision]' (data.config, data.split_name)")
     eval_path: str | None = Field(None, description="held-out file; None = a fixed slice of data.path")
     prompt_field: str = "prompt"
     answer_field: str = "answer"
@@ -72,6 +74,13 @@ class DataConfig(Section):
     split: Literal["prompt", "fact"] = Field(
         "prompt", description="arith: 'prompt' holds out prompt texts (the same fact may be trained under another "
         "phrasing); 'fact' holds out (a, b, op) facts never seen in training")
+    config: str | None = Field(None, min_length=1, description="configuration of a dataset that has several (the "
+                               "name argument of datasets.load_dataset, e.g. 'main' for openai/gsm8k)")
+    split_name: str = Field("train", min_length=1, description="split of data.path to train on, for a hub dataset "
+                            "id, a dataset folder or a saved DatasetDict (a single file is one split)")
+    eval_split_name: str | None = Field(None, min_length=1, description="held-out split, e.g. 'test': of "
+                                        "data.eval_path when given (else that dataset's train split), otherwise of "
+                                        "data.path; None = a fixed slice of data.path is held out")
 
     @field_validator("ops")
     @classmethod
@@ -213,8 +222,11 @@ class TrainConfig(Section):
     micro_batch_tokens: int = Field(1024, gt=0, description="token budget of one forward/backward")
     share_prompt: bool = Field(True, description="pack a prompt's responses in one row: the prompt is computed once")
     precision: Literal["fp32", "bf16", "auto"] = Field(
-        "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 where the CPU has native bf16"
-    )
+        "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 on CUDA or where the CPU has "
+        "native bf16")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="where the policy, reference, "
+                        "critic and teacher live (the torch engine too): auto = cuda when a GPU is visible, else "
+                        "cpu; cpu, cuda or cuda:N")
     backend: Literal["local", "fsdp2"] = Field(
         "local", description="local = one process; fsdp2 = PyTorch FSDP2 over train.world_size ranks (gloo on CPU, "
         "NCCL on GPU; ranks spawned here, by torchrun, or by Ray with cluster.ray)")

@@ -53,6 +53,23 @@ def bf16_is_native(device_type: str = "cpu") -> bool:
     return device_type == "cpu" and cpu_has_native_bf16()
 
 
+def resolve_device(name: str):
+    """`train.device` as a `torch.device`: `auto` is `cuda` when a GPU is visible, else `cpu`. ValueError (one
+    line) for `cuda` / `cuda:N` that this machine does not have."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = device.index or 0
+        if index >= count:
+            raise ValueError(f"train.device = {name!r}, but this machine has {count} CUDA device(s) visible; use "
+                             f"'auto' or 'cpu'" + (f", or cuda:0..cuda:{count - 1}" if count else ""))
+    return device
+
+
 def matmul_gflops(dtype, size: int = 128, repeats: int = 3) -> float:
     """GFLOP/s of one `size`^3 matmul in `dtype` on the current threads (best of `repeats`; a quick figure for
     messages; MFU uses `rollwise.perf`'s measured peak)."""

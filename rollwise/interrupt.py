@@ -16,8 +16,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 class StopOnInterrupt:
-    """Ctrl-C during an RL step finishes that step, saves a checkpoint and then stops (`requested`); Ctrl-C
-    outside a step, or a second one, stops at once. Only installed in the main thread. `phase` names what the
+    """Ctrl-C during an RL step (its logs, and an evaluation or checkpoint due after it, included) finishes that
+    iteration, saves a checkpoint and then stops (`requested`); Ctrl-C outside one, or a second one, stops at once. Only installed in the main thread. `phase` names what the
     loop is doing, for the one-line error of anything that fails."""
 
     def __init__(self) -> None:

@@ -137,9 +137,10 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
         if first_eval:
             view.eval(first_eval)
         while run.step < cfg.train.steps:
+            # a first Ctrl-C anywhere in this iteration (the step, its logs, an evaluation or checkpoint due now)
+            # lets the iteration finish, then saves and stops
             stop.in_step, stop.phase = True, f"step {run.step + 1}"
             row, batch = rl_step(run)
-            stop.in_step = False
             run.writer.write(row)
             # every response completed this step (failed ones too: their errors are logged), then the replayed
             log_samples(run.run_dir, run.step, [s for g in batch.generated for s in g.samples] + batch.replayed,
@@ -149,16 +150,17 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
                 stop.phase = f"checkpoint at step {run.step}"
                 save_run(run)
                 run.guards.check_stop(run.step, row)
-            if stop.requested:
-                save_run(run)
-                raise KeyboardInterrupt
             view.update(run.step, row)
             if cfg.eval.every_steps and run.step % cfg.eval.every_steps == 0 and run.step < cfg.train.steps:
                 stop.phase = f"evaluation at step {run.step}"
                 view.eval(run_eval(run))
-            if cfg.run.save_every_steps and run.step % cfg.run.save_every_steps == 0:
+            saved = cfg.run.save_every_steps and run.step % cfg.run.save_every_steps == 0
+            if saved or stop.requested:
                 stop.phase = f"checkpoint at step {run.step}"
                 save_run(run)
+            stop.in_step = False
+            if stop.requested:
+                raise KeyboardInterrupt
             if cfg.train.max_time_s and run.totals["steps_s"] >= cfg.train.max_time_s:
                 print(f"rollwise: train.max_time_s={cfg.train.max_time_s:g} reached after step {run.step}", flush=True)
                 break

@@ -62,8 +62,9 @@ def resolve_names(cfg: Config) -> None:
     factory = _lookup(TASKS, cfg.data.task, "data.task")
     _check_split(cfg, factory)
     for key, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if path is not None and not Path(path).expanduser().exists():
-            raise ConfigError(f"{key} = {path!r}: no such file or directory (relative paths start at {Path.cwd()})")
+        if path is not None:
+            _check_source(key, path)
+    _check_source("model.name", cfg.model.name)
     if cfg.reward.fn is not None:
         _lookup(REWARDS, cfg.reward.fn, "reward.fn")
     if cfg.env.name is not None:
@@ -73,6 +74,24 @@ def resolve_names(cfg: Config) -> None:
     _check_teacher(cfg)
     _check_extras(cfg)
     _check_sandbox(cfg)
+
+
+def _check_source(key: str, name: str) -> None:
+    """A data file or folder exists, or a hub id (dataset or model) is cached when offline; cheap, no network."""
+    from rollwise.data.errors import DatasetError
+    from rollwise.models import ModelNotFoundError
+
+    try:
+        if key == "model.name":
+            from rollwise.models import check_model_source
+
+            check_model_source(name)
+        else:
+            from rollwise.data.hub import check_dataset_source
+
+            check_dataset_source(name, key)
+    except (DatasetError, ModelNotFoundError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_scale(cfg: Config) -> None:

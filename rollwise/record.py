@@ -54,7 +54,8 @@ def rollout_metrics(samples: list[Sample], generated_tokens: int, generate_s: fl
 
 
 def perf_metrics(row: dict[str, float], timer: StageTimer, step_s: float) -> dict[str, float]:
-    """The step's time split and the trainer's token rate."""
+    """The step's time split, the trainer's token rate, this process's peak memory (and, when it uses CUDA, the
+    GPU memory it allocated and reserved at most during the step)."""
     train_s = timer.seconds.get("train", 0.0)
     return {
         **timer.metrics(),
@@ -63,7 +64,21 @@ def perf_metrics(row: dict[str, float], timer: StageTimer, step_s: float) -> dic
         "perf/train_s": train_s,
         "perf/train_tokens_per_s": row.get("train/tokens", 0.0) / max(train_s, 1e-9),
         "perf/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        **cuda_memory_metrics(),
     }
+
+
+def cuda_memory_metrics() -> dict[str, float]:
+    """`perf/cuda_peak_allocated_gb` and `perf/cuda_peak_reserved_gb` of this process since the last call (the
+    peak counters are reset after reading), on the current CUDA device; {} when CUDA was never used here."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    out = {"perf/cuda_peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+           "perf/cuda_peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+    torch.cuda.reset_peak_memory_stats()
+    return out
 
 
 def episode_record(s: Sample) -> dict:

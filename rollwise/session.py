@@ -147,6 +147,7 @@ def trainer_state(run: Run) -> dict[str, Any]:
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "engine": engine.rng_state() if engine.caps.rng_state else None,
         },
         "engine_version": engine.version,
@@ -171,6 +172,8 @@ def restore_state(run: Run, state: dict[str, Any], checkpoint: Path) -> None:
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"].get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     if state["rng"]["engine"] is not None and run.engine.caps.rng_state:
         run.engine.set_rng_state(state["rng"]["engine"])
     run.engine.version = state["engine_version"]

@@ -37,7 +37,18 @@ def validate(cfg: Config) -> Config:
 
 def run_errors(cfg: Config) -> list[str]:
     """Contradictions between the run's own sections (not methods, not names)."""
-    return [*_objective_errors(cfg), *_off_policy_errors(cfg), *_scale_out_errors(cfg), *_tracker_errors(cfg)]
+    return [*_device_errors(cfg), *_objective_errors(cfg), *_off_policy_errors(cfg), *_scale_out_errors(cfg),
+            *_tracker_errors(cfg)]
+
+
+def _device_errors(cfg: Config) -> list[str]:
+    from rollwise.hardware import resolve_device
+
+    try:
+        resolve_device(cfg.train.device)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def _objective_errors(cfg: Config) -> list[str]:

@@ -23,6 +23,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 ROLLWISE = shutil.which("rollwise") or str(Path(sys.executable).with_name("rollwise"))
 # tests never write into the user's cache (the measured matmul peak, model caches)
 os.environ["ROLLWISE_CACHE"] = tempfile.mkdtemp(prefix="rollwise-test-cache-")
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="rollwise-test-hf-home-")  # hub tests lay out their own cache
 if str(TESTS_DIR) not in sys.path:  # dotted-path plugins ('toy_plugins:fn') must be importable
     sys.path.insert(0, str(TESTS_DIR))
 

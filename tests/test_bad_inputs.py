@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROLLWISE, read_rows, subprocess_env, tiny_overrides
+from conftest import ROLLWISE, read_rows, subprocess_env, tiny_config, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -236,3 +236,28 @@ def test_config_with_plugin_names_round_trips_through_resume(tmp_path, tiny_mode
     assert '"toy_plugins:length_bonus" = {scale = 0.0}' in (run_dir / "config.toml").read_text()
     resumed = run_train(["--resume", str(run_dir), "train.steps=2"])
     assert resumed.returncode == 0, resumed.stderr
+
+
+def test_ctrl_c_after_a_steps_row_and_before_the_next_step_still_saves(tmp_path, tiny_model_dir, monkeypatch):
+    """SIGINT while the step's samples are being logged (after its row, before the next step): that iteration
+    counts as the step's, so it finishes, saves step 1 and stops, instead of stopping with no checkpoint."""
+    import contextlib
+    import io
+    import os
+
+    import rollwise.loop as loop
+    from rollwise.interrupt import RunInterrupted
+    from rollwise.train.checkpoint import latest_checkpoint
+
+    real = loop.log_samples
+
+    def interrupted_logging(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # handled by the run's Ctrl-C handler
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "log_samples", interrupted_logging)
+    cfg = tiny_config(tiny_model_dir, **{"train.steps": 3, "eval.n": 0, "reward.fn": "toy_plugins:digit_fraction"})
+    with pytest.raises(RunInterrupted) as stopped, contextlib.redirect_stdout(io.StringIO()):
+        loop.train(cfg, tmp_path / "run")
+    assert stopped.value.checkpoint is not None and stopped.value.checkpoint.name == "step-1"
+    assert latest_checkpoint(tmp_path / "run").name == "step-1"

@@ -167,8 +167,10 @@ def test_parquet_rows_and_errors(tmp_path):
         dataset(tmp_path / "junk.parquet")
 
 
-def test_hf_directory_rows_and_errors(tmp_path):
+def test_hf_directory_rows_and_errors(tmp_path, monkeypatch):
     import datasets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))  # a folder is read by load_dataset
 
     datasets.Dataset.from_list(rows(10)).save_to_disk(str(tmp_path / "hf"))
     source = dataset(tmp_path / "hf")
@@ -179,8 +181,18 @@ def test_hf_directory_rows_and_errors(tmp_path):
     )
     with pytest.raises(DatasetError, match=r"hf_bad, row 1: field 'prompt' is an empty string"):
         dataset(tmp_path / "hf_bad")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows(8)), "test": datasets.Dataset.from_list(
+        [{"prompt": f"What is {i} + 2?", "answer": str(i + 2)} for i in range(3)])}).save_to_disk(str(tmp_path / "dd"))
+    splits = dataset(tmp_path / "dd", eval_split_name="test")
+    assert (splits.num_train, splits.num_eval) == (8, 3) and splits.eval_prompts(1)[0].source == "dd[test]:row 0"
+    with pytest.raises(DatasetError, match=r"^data.split_name = 'dev' is not a split of the DatasetDict .*dd; "
+                                           r"splits: train, test$"):
+        dataset(tmp_path / "dd", split_name="dev")
+    with pytest.raises(DatasetError, match=r"^data.eval_split_name = 'test': .*hf is a single datasets.Dataset"):
+        dataset(tmp_path / "hf", eval_split_name="test")
     (tmp_path / "plain_dir").mkdir()
-    with pytest.raises(DatasetError, match=r"plain_dir: not a datasets.save_to_disk directory"):
+    with pytest.raises(DatasetError, match=r"plain_dir: no data files that datasets can read; expected a "
+                                           r"datasets.save_to_disk directory or Parquet / JSONL / CSV files"):
         dataset(tmp_path / "plain_dir")
 
 
@@ -240,11 +252,10 @@ def test_encoder_caches_by_uid_and_returns_fresh_lists(tokenizer):
     assert len(encoder._cache) == 2
 
 
-def test_encode_without_chat_template_fails_clearly(tokenizer):
+def test_encode_without_chat_template_is_the_plain_text(tokenizer):
     bare = tiny_tokenizer()
-    bare.chat_template = None
-    with pytest.raises(ValueError, match="no chat template"):
-        encode_prompt(user("hi"), bare, None)
+    bare.chat_template = None  # a base model: the messages one per line (tests/test_chat_templates.py)
+    assert decode(bare, encode_prompt(user("hi"), bare, "Answer with a number.")) == "Answer with a number.\nhi\n"
 
 
 # ------------------------------------------------------------------ held-out sizing and the data line

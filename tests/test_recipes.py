@@ -17,7 +17,7 @@ from conftest import read_rows, tiny_overrides
 from helpers_model import tiny_llama
 from rollwise.validate import load
 from rollwise import algo
-from rollwise.config import Config, TrainConfig
+from rollwise.config import Config, ConfigError, TrainConfig
 from rollwise.loop import train
 from rollwise.train.trainer import Trainer
 from rollwise.types import Prompt, Sample, Status
@@ -156,3 +156,54 @@ def test_clipping_recipes_clip(name):
     # one epoch, one minibatch, same lr and samples: ratio exactly 1, nothing clipped
     single, _ = _clip_frac(cfg, lr=1e-2, minibatches_per_epoch=1, ppo_epochs=1)
     assert single == 0.0, (name, single)
+
+
+# ------------------------------------------------------------------------------- GPU recipes (recipes/gpu/)
+
+GPU_RECIPES = sorted((RECIPES / "gpu").glob("*.toml"))
+
+
+def gpu_stand_ins(tmp_path, tiny_model_dir) -> list[str]:
+    """Overrides pointing a GPU recipe at tiny local stand-ins: the tiny model, a GSM8K-shaped dataset folder (the
+    recipe's config, splits and fields), the CPU. No GPU, no hub."""
+    from helpers_hub import gsm8k_folder
+
+    folder = gsm8k_folder(tmp_path / "gsm8k")
+    return [f'model.name="{tiny_model_dir}"', f'data.path="{folder}"', 'train.device="cpu"']
+
+
+def test_the_gpu_recipes_are_the_two_documented():
+    assert [p.name for p in GPU_RECIPES] == ["qwen2.5-0.5b-gsm8k-lora.toml", "qwen2.5-0.5b-gsm8k.toml"]
+    docs = (RECIPES.parent / "docs" / "gpu.md").read_text()
+    assert all(f"recipes/gpu/{p.name}" in docs for p in GPU_RECIPES)
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.stem)
+def test_a_gpu_recipe_loads_with_tiny_stand_ins(recipe, tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    cfg = load(recipe, gpu_stand_ins(tmp_path, tiny_model_dir))
+    assert (cfg.data.config, cfg.data.split_name, cfg.data.eval_split_name) == ("main", "train", "test")
+    assert (cfg.reward.fn, cfg.rollout.samples_per_prompt, cfg.algo.kl_coef) == ("gsm8k", 8, 0.0)
+    assert (cfg.algo.clip_low, cfg.algo.clip_high, cfg.train.device) == (0.2, 0.28, "cpu")
+    assert cfg.train.lr == (1e-5 if cfg.lora.rank else 1e-6)
+    for line in recipe.read_text().splitlines():  # every key says what it is for
+        assert "#" in line or not line.split("=")[0].strip().isidentifier(), line
+    if not torch.cuda.is_available():  # as written it asks for a GPU, and says so before any work
+        with pytest.raises(ConfigError, match=r"^train.device = 'cuda', but this machine has 0 CUDA device"):
+            load(recipe, gpu_stand_ins(tmp_path / "again", tiny_model_dir)[:2])
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if "lora" in p.name else [])
+                                    for p in GPU_RECIPES])
+def test_a_gpu_recipe_trains_two_steps_on_the_stand_ins(recipe, tmp_path, tiny_model_dir, monkeypatch):
+    """The recipe's settings together (GSM8K reward, eval split, 4 minibatches, TIS, LoRA) on the CPU, shrunk."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    small = tiny_overrides(tiny_model_dir, **{"eval.n": 2, "run.report": False, "train.precision": "fp32",
+                                              "model.dtype": "float32", "rollout.max_batch_size": 16,
+                                              "train.warmup_steps": 0, "eval.every_steps": 0})
+    cfg = load(recipe, gpu_stand_ins(tmp_path, tiny_model_dir) + small)
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(cfg, tmp_path / "run")
+    rows = read_rows(tmp_path / "run")
+    assert [r["reward/errors"] for r in rows if r["kind"] == "train"] == [0.0, 0.0]  # every "####" reference read
+    assert [r["eval/n"] for r in rows if r["kind"] == "eval"] == [2.0, 2.0]  # from the test split

@@ -162,3 +162,10 @@ def tool_call_fraction(sample: Sample) -> RewardResult:
     """Tool calls of the episode per allowed turn (the env's summed `tool_calls` part)."""
     calls = sample.episode.parts.get("tool_calls", 0.0)
     return RewardResult(value=calls / 3.0, parts={"calls": calls})
+
+
+def even_id_fraction(sample: Sample) -> float:
+    """The share of the response's token ids that are even: a reward that varies between the samples of a random
+    model whatever its tokenizer decodes (benchmarks/gpu_check.py's random models)."""
+    ids = sample.response_ids
+    return sum(1 for t in ids if t % 2 == 0) / len(ids) if ids else 0.0

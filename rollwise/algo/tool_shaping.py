@@ -104,7 +104,7 @@ def pra(
     if decay == 1.0:
         total = bonus * calls
     else:
-        total = bonus * (1.0 - torch.pow(torch.tensor(decay), calls)) / (1.0 - decay)
+        total = bonus * (1.0 - torch.pow(torch.tensor(decay, device=calls.device), calls)) / (1.0 - decay)
     if only_correct:
         total = total * correct.to(torch.float32)
     return rewards.to(torch.float32) + total

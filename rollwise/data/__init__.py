@@ -1,4 +1,4 @@
-"""Prompt sources (built-in tasks and file datasets) and prompt encoding.
+"""Prompt sources (built-in tasks and datasets: files, dataset folders, hub dataset ids) and prompt encoding.
 
     source = build_prompt_source(cfg.data, seed)     # PromptSource
     prompt = source.train_prompt(position)           # deterministic in (seed, position)

@@ -1,4 +1,5 @@
-"""Which prompt source a run reads: the file dataset of `data.path`, else the task `data.task`.
+"""Which prompt source a run reads: the dataset of `data.path` (a file, a dataset folder or a hub dataset id),
+else the task `data.task`.
 
     source = build_prompt_source(cfg.data, seed)   # FileDataset or the task's PromptSource, split checked
 

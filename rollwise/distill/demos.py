@@ -19,7 +19,7 @@ from typing import Any
 from rollwise.config import DataConfig
 from rollwise.data.files import (SUFFIXES, DatasetError, EpochOrder, _jsonl_rows, _table_rows, _type_name, to_answer,
                                  to_messages)
-from rollwise.data.prompts import PromptEncoder, with_system
+from rollwise.data.prompts import PromptEncoder, render_chat, with_system
 from rollwise.types import Prompt, Sample, Status
 
 
@@ -84,7 +84,7 @@ def load_demonstrations(
 def _response_ids(demo: Demonstration, prompt_ids: list[int], encoder: PromptEncoder, tokenizer: Any) -> list[int]:
     """Ids the template writes for the assistant turn: tokenize(prompt + assistant message) minus the prompt ids."""
     chat = [*with_system(demo.prompt.messages, encoder.system_prompt), {"role": "assistant", "content": demo.response}]
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+    text = render_chat(tokenizer, chat, generation_prompt=False)
     full_ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     if full_ids[: len(prompt_ids)] != prompt_ids:
         at = next((i for i, (a, b) in enumerate(zip(full_ids, prompt_ids)) if a != b), len(full_ids))

@@ -27,6 +27,7 @@ from rollwise.config_distill import TeacherConfig
 from rollwise.data.prompts import PromptEncoder
 from rollwise.distill.terms import StepMarks
 from rollwise.models import model_info
+from rollwise.models.arch import logit_softcap
 from rollwise.perf import FlopCounter
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
 from rollwise.train.logprobs import response_hidden
@@ -130,6 +131,7 @@ class Teacher:
         self.template = context_template(cfg.context)
         self.micro_batch_tokens, self.share_prompt, self.top_k = micro_batch_tokens, share_prompt, top_k
         self.autocast = autocast
+        self.device = next(model.parameters()).device  # the teacher's model's: the trainer's device
         self.flops = FlopCounter(model_info(model))  # the teacher's own size (perf/mfu counts its pass)
         self.last_scored: list[Sample] = []  # the samples of the last `score`, behind the teacher's prompts
         if share_prompt and model.config._attn_implementation != SHARED_ATTENTION:
@@ -161,8 +163,8 @@ class Teacher:
         self.model.eval()
         try:
             for group in split_by_tokens(list(shadows.values()), self.micro_batch_tokens, self.share_prompt):
-                mb = collate(group, self.pad_id, share_prompt=self.share_prompt)
-                with self.autocast() if self.autocast else torch.autocast("cpu", enabled=False):
+                mb = collate(group, self.pad_id, share_prompt=self.share_prompt).to(self.device)
+                with self.autocast() if self.autocast else torch.autocast(self.device.type, enabled=False):
                     logp, topk = score_micro_batch(self.model, mb, self.cfg.temperature, self.top_k)
                 check_finite(logp, mb)
                 for b, shadow in enumerate(mb.samples):
@@ -219,10 +221,13 @@ def score_micro_batch(model, mb: MicroBatch, temperature: float, top_k: int = 0)
     `[n, V]` tensor of the whole micro-batch is kept."""
     hidden = response_hidden(model, mb) / temperature  # [n, H]
     weight = model.get_output_embeddings().weight
+    cap = logit_softcap(model)  # Gemma 2: cap * tanh(z / cap) / T = (cap / T) tanh((z / T) / (cap / T))
     targets = mb.targets[mb.valid]  # [n]
     logps, top_lp, top_ids = [], [], []
     for start in range(0, hidden.shape[0], 256):
         logits = (hidden[start:start + 256].to(weight.dtype) @ weight.T).float()  # [C, V]
+        if cap:
+            logits = torch.tanh(logits / (cap / temperature)) * (cap / temperature)
         logp_all = torch.log_softmax(logits, dim=-1)
         logps.append(logp_all.gather(-1, targets[start:start + 256, None]).squeeze(-1))
         if top_k:
@@ -230,11 +235,12 @@ def score_micro_batch(model, mb: MicroBatch, temperature: float, top_k: int = 0)
             top_lp.append(values)
             top_ids.append(ids)
     S, T = mb.targets.shape
-    logp = torch.zeros(S, T).masked_scatter(mb.valid, torch.cat(logps))
+    logp = torch.zeros(S, T, device=mb.device).masked_scatter(mb.valid, torch.cat(logps))
     if not top_k:
         return logp, None
-    lp = torch.zeros(S, T, top_k).masked_scatter(mb.valid[..., None].expand(S, T, top_k), torch.cat(top_lp))
-    ids = torch.zeros(S, T, top_k, dtype=torch.long).masked_scatter(mb.valid[..., None].expand(S, T, top_k),
+    lp = torch.zeros(S, T, top_k, device=mb.device).masked_scatter(mb.valid[..., None].expand(S, T, top_k),
+                                                                   torch.cat(top_lp))
+    ids = torch.zeros(S, T, top_k, dtype=torch.long, device=mb.device).masked_scatter(mb.valid[..., None].expand(S, T, top_k),
                                                                      torch.cat(top_ids))
     return logp, (lp, ids)
 
@@ -295,8 +301,8 @@ def build_teacher(cfg, policy, tokenizer, encoder: PromptEncoder, trainer, pad_i
         path = resolve_teacher_path(kind)
         model, teacher_tokenizer = load_model(path, dtype=torch.float32)
         check_same_tokenizer(tokenizer, teacher_tokenizer, repr(kind))
-    if kind != "live":
-        model.eval().requires_grad_(False)
+    if kind != "live":  # a model of its own lives on the policy's device (train.device)
+        model = model.eval().requires_grad_(False).to(next(policy.parameters()).device)
     check_vocabulary(cfg, policy, model, kind)
     if tcfg.backend == "engine":
         return _engine_teacher(cfg, model, tokenizer, wide, run_dir)

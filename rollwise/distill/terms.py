@@ -75,30 +75,32 @@ class StepMarks:
     def tensors(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """`(weights [S, 3], teacher_logp [S, T] (NaN where not scored) or None, (topk_logp [S, T, k],
         topk_ids [S, T, k]) or None)` of the micro-batch's samples."""
-        samples, (S, T) = mb.samples, mb.targets.shape
-        weights = torch.tensor([list(self.weight(s)) for s in samples], dtype=torch.float32)  # [S, 3]
+        samples, (S, T), cpu = mb.samples, mb.targets.shape, torch.device("cpu")  # built on the CPU, moved once
+        weights = torch.tensor([list(self.weight(s)) for s in samples], dtype=torch.float32, device=cpu)  # [S, 3]
         teacher = None
         if any(id(s) in self.logprobs for s in samples):
-            teacher = torch.full((S, T), float("nan"))
+            teacher = torch.full((S, T), float("nan"), device=cpu)
             for b, s in enumerate(samples):
                 lp = self.logprobs.get(id(s))
                 if lp is not None:
                     _check_length(s, len(lp), "teacher log-probs")
-                    teacher[b, :len(lp)] = torch.tensor(lp)
-        return weights, teacher, self._topk(samples, S, T)
+                    teacher[b, :len(lp)] = torch.tensor(lp, device=cpu)
+            teacher = teacher.to(mb.device)
+        return weights.to(mb.device), teacher, self._topk(samples, S, T, mb.device)
 
-    def _topk(self, samples: list[Sample], S: int, T: int) -> tuple | None:
+    def _topk(self, samples: list[Sample], S: int, T: int, device: torch.device) -> tuple | None:
         found = [self.topk.get(id(s)) for s in samples]
         k = next((len(t[0][0]) for t in found if t is not None and t[0]), 0)  # an empty response's is ([], [])
         if not k:
             return None
-        lp, ids = torch.zeros((S, T, k)), torch.zeros((S, T, k), dtype=torch.long)
+        cpu = torch.device("cpu")
+        lp, ids = torch.zeros((S, T, k), device=cpu), torch.zeros((S, T, k), dtype=torch.long, device=cpu)
         for b, (s, t) in enumerate(zip(samples, found)):
             if t is not None and t[0]:
                 _check_length(s, len(t[0]), "teacher top-k")
                 n = len(t[0])
-                lp[b, :n], ids[b, :n] = torch.tensor(t[0]), torch.tensor(t[1])
-        return lp, ids
+                lp[b, :n], ids[b, :n] = torch.tensor(t[0], device=cpu), torch.tensor(t[1], device=cpu)
+        return lp.to(device), ids.to(device)
 
 
 def _check_length(sample: Sample, n: int, what: str) -> None:
@@ -120,6 +122,7 @@ class StepTerms:
     sft_coef: float = 0.0
     sft_only: bool = False
     marks: StepMarks = field(default_factory=StepMarks)
+    softcap: float | None = None  # gkd: the student's final-logit soft-cap (Gemma 2), None for most models
     chunk_tokens: int = CHUNK_TOKENS  # gkd: response positions per LM-head chunk
     record: "StepRecord" = field(default_factory=lambda: StepRecord(), repr=False, compare=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -187,7 +190,8 @@ class StepTerms:
             loss = loss + sft_coef * aggregate(per_token * w[:, 2:3], mb.loss_mask)
             self.record.total(mb, "distill/sft_nll", per_token.detach().sum(), sft_mask.sum())
         if self.needs_hidden and topk is not None and hidden is not None:
-            per_token = gkd_topk(hidden, head, mb, topk, self.gkd_beta, self.temperature, self.chunk_tokens)
+            per_token = gkd_topk(hidden, head, mb, topk, self.gkd_beta, self.temperature, self.chunk_tokens,
+                                 self.softcap)
             mask = mb.loss_mask * torch.isfinite(teacher_logp)
             loss = loss + self.coef * aggregate(per_token * w[:, 1:2] * mask, mb.loss_mask)
             self.record.total(mb, "distill/gkd", (per_token.detach() * mask).sum(), mask.sum())
@@ -229,7 +233,8 @@ class StepRecord:
 
 
 def gkd_topk(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch, topk: tuple[torch.Tensor, torch.Tensor],
-             beta: float, temperature: float, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+             beta: float, temperature: float, chunk_tokens: int = CHUNK_TOKENS,
+             softcap: float | None = None) -> torch.Tensor:
     """Normalised generalized JSD (`rollwise.algo.distillation.generalized_jsd`) over the teacher's top-k tokens
     plus one tail bucket, per response token `[S, T]`.
 
@@ -247,16 +252,22 @@ def gkd_topk(hidden: torch.Tensor, head: torch.Tensor, mb: MicroBatch, topk: tup
     teacher = with_tail(t_lp[valid])  # [n, k + 1]
     top_ids = ids[valid]  # [n, k]
     if h.shape[0] == 0:
-        return torch.zeros(S, T)
-    per = torch.cat([checkpoint(_gkd_rows, h[rows], head, top_ids[rows], teacher[rows], beta, use_reentrant=False)
+        return torch.zeros(S, T, device=h.device)
+    cap = softcap / temperature if softcap else None  # the cap of the logits at this temperature
+    per = torch.cat([checkpoint(_gkd_rows, h[rows], head, top_ids[rows], teacher[rows], beta, cap,
+                                use_reentrant=False)
                      for rows in row_chunks(h.shape[0], chunk_tokens)])  # [n]
-    return torch.zeros(S, T, dtype=per.dtype).masked_scatter(valid, per)
+    return torch.zeros(S, T, dtype=per.dtype, device=per.device).masked_scatter(valid, per)
 
 
 def _gkd_rows(h: torch.Tensor, head: torch.Tensor, top_ids: torch.Tensor, teacher: torch.Tensor,
-              beta: float) -> torch.Tensor:
-    """One chunk: `h [C, H]`, `head [V, H]`, `top_ids [C, k]`, teacher buckets `[C, k + 1]` -> GJSD `[C]`."""
-    student = torch.log_softmax((h @ head.T).float(), dim=-1).gather(-1, top_ids)  # [C, k]
+              beta: float, cap: float | None = None) -> torch.Tensor:
+    """One chunk: `h [C, H]`, `head [V, H]`, `top_ids [C, k]`, teacher buckets `[C, k + 1]` -> GJSD `[C]`. `cap`:
+    the final-logit soft-cap at this temperature (Gemma 2), or None."""
+    logits = (h @ head.T).float()  # [C, V]
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    student = torch.log_softmax(logits, dim=-1).gather(-1, top_ids)  # [C, k]
     return generalized_jsd(with_tail(student), teacher, beta)
 
 

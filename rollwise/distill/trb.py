@@ -88,12 +88,12 @@ class _Decoder:
     @classmethod
     def prefill(cls, model, prompts: list[list[int]]) -> tuple["_Decoder", torch.Tensor]:
         """Run the left-padded prompts: (state, last-position logits [B, V] fp32)."""
-        device = next(model.parameters()).device
         width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        device = next(model.parameters()).device
+        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
         for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]

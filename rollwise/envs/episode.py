@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Any
 
-from rollwise.data.prompts import with_system
+from rollwise.data.prompts import render_chat, with_system
 from rollwise.envs.base import Env, EnvError
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete
 from rollwise.types import GenerationRequest, GenerationResult, Group, Message, Sample, SamplingParams, Status
@@ -62,11 +62,11 @@ class EpisodeState:
 class EpisodeCodec:
     """Token ids of what the chat template puts between turns, and the canonical render for the mismatch count.
 
-    `tokenizer`: a HF tokenizer with a chat template; `system_prompt`: as the prompt encoder used it."""
+    `tokenizer`: a HF tokenizer (its chat template, adapted as `rollwise.data.prompts.render_chat` says: a
+    system turn folded into the first user turn, tool results as user turns where the template has no such
+    role, plain lines without a template); `system_prompt`: as the prompt encoder used it."""
 
     def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise EnvError(f"tokenizer {type(tokenizer).__name__} has no chat template: episodes need one")
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self._base = self._render(_PROBE, generation_prompt=False)
@@ -75,7 +75,7 @@ class EpisodeCodec:
         self._blocks: dict[tuple, list[int]] = {}
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return render_chat(self.tokenizer, messages, generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -167,6 +167,8 @@ def end_episode(sample: Sample, codec: EpisodeCodec, ended_by: str, status: Stat
     sample.response_text = "" if ended_by in NO_ANSWER else ep.final_text
     canonical = codec.canonical_ids(ep.messages)
     ours = sample.prompt_ids + sample.response_ids
+    if len(ours) > len(canonical) and ours[-1] == codec.tokenizer.eos_token_id:
+        ours = ours[:-1]  # the final EOS, where the render closes no message with one (no template: plain text)
     ep.retokenize_mismatch = canonical[:len(ours)] != ours
 
 

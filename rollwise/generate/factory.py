@@ -49,9 +49,20 @@ def max_model_len(cfg: Config) -> int:
     return cfg.data.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0) + 8
 
 
+COLOCATED_GPU_SHARE = 0.35  # of the GPU's memory for a vLLM engine that shares it with the trainer
+
+
 def engine_options(cfg: Config) -> dict:
-    """`rollout.engine_options`, plus what the run needs of vLLM: LoRA adapters served at `lora.rank`."""
+    """`rollout.engine_options`, plus what the run needs of vLLM: LoRA adapters served at `lora.rank`, and, when
+    an in-process vLLM shares its GPU with the trainer (`train.device` on CUDA, no `cluster.ray`), at most
+    `COLOCATED_GPU_SHARE` of the GPU's memory unless `gpu_memory_utilization` is given (vLLM's default, 0.9, would
+    leave the trainer too little)."""
+    from rollwise.hardware import resolve_device
+
     options = dict(cfg.rollout.engine_options)
+    colocated = cfg.rollout.engine == "vllm" and cfg.rollout.server is None and not cfg.cluster.ray
+    if colocated and resolve_device(cfg.train.device).type == "cuda":
+        options.setdefault("gpu_memory_utilization", COLOCATED_GPU_SHARE)
     if cfg.rollout.engine == "vllm" and cfg.lora.rank > 0:
         options.setdefault("enable_lora", True)
         # vLLM 0.32 takes max_lora_rank from a fixed set: the smallest that holds lora.rank

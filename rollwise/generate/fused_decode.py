@@ -1,4 +1,4 @@
-"""Fused prefill and decode for Llama-family models (Llama, Qwen2, Mistral without a sliding window).
+"""Fused prefill and decode for Llama-family models (Llama, Llama 3, Mistral, Qwen2, Qwen3; no sliding window).
 
 The Hugging Face forward runs seven projections per layer, copies the KV cache for grouped-query attention
 and builds a general masked attention for every layer. At decode time (one new token per slot, tens of
@@ -12,9 +12,11 @@ slots) those costs dominate on a CPU. This module runs the same arithmetic with:
   softmax in fp32;
 - a prefill over right-padded contexts with causal SDPA, whose keys and values go to the slot cache.
 
-Norms, embeddings and rotary tables are the model's own modules. Call `refresh()` after changing the model's
-weights. Architectures this module does not reproduce exactly fall back to the model's forward
-(`FusedDecoder.supports`).
+Norms (Qwen3's per-head q/k norms included), embeddings and rotary tables are the model's own modules. Call
+`refresh()` after changing the model's weights. Architectures this module does not reproduce exactly fall back
+to the model's forward: `FusedDecoder.refusal` names what it refuses (another model type, an activation other
+than SiLU, a sliding window, a rope type whose tables depend on the batch's positions, another layer layout);
+tests/test_architectures.py checks each claimed type against the model's own forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ import torch.nn.functional as F
 
 from rollwise.models.packed_linear import PackedLinear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# rotary tables fixed by the config: "dynamic" and "longrope" pick theirs from the positions in the batch
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_LAYER_MODULES = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_QK_NORMS = {"q_norm", "k_norm"}  # Qwen3: RMSNorm over each head before the rotation
 
 
 class FusedDecoder:
@@ -41,17 +48,40 @@ class FusedDecoder:
         self.refresh()
 
     @staticmethod
-    def supports(model) -> bool:
+    def supports(model, arch=None) -> bool:
         """True when the model's architecture is one this decoder reproduces exactly."""
+        return FusedDecoder.refusal(model, arch) is None
+
+    @staticmethod
+    def refusal(model, arch=None) -> str | None:
+        """Why this decoder would not reproduce `model` exactly, or None when it does. `arch`: the model's
+        `rollwise.models.arch.describe` (read here when not given)."""
         cfg = model.config
-        if next(model.parameters()).device.type != "cpu":  # prepacked oneDNN weights: CPU only
-            return False
-        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES or cfg.hidden_act != "silu":
-            return False
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            return False
-        return all(hasattr(layer.self_attn, "q_proj") and hasattr(layer.mlp, "gate_proj")
-                   for layer in model.model.layers)
+        if next(model.parameters()).device.type != "cpu":
+            return "prepacked oneDNN weights run on the CPU only"
+        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            return f"model_type {cfg.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+        if getattr(cfg, "hidden_act", None) != "silu":
+            return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} is not silu"
+        rope = getattr(getattr(model.model, "rotary_emb", None), "rope_type", None)
+        if rope not in STATIC_ROPE_TYPES:
+            return f"rope type {rope!r} is not one of {STATIC_ROPE_TYPES}"
+        if arch is None:
+            from rollwise.models.arch import describe
+
+            arch = describe(model)
+        if arch.sliding:
+            return f"sliding-window layers {arch.windows}"
+        if arch.logit_softcap or arch.attn_softcap:
+            return "soft-capped logits"
+        for layer in model.model.layers:
+            attn = {name for name, _ in layer.self_attn.named_children()}
+            if {name for name, _ in layer.named_children()} != _LAYER_MODULES or not _ATTN_MODULES <= attn \
+                    or attn - _ATTN_MODULES - (_QK_NORMS if cfg.model_type == "qwen3" else set()):
+                return f"decoder layer modules {sorted(n for n, _ in layer.named_children())}, attention {sorted(attn)}"
+            if {name for name, _ in layer.mlp.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+                return f"MLP modules {sorted(n for n, _ in layer.mlp.named_children())}"
+        return None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -63,6 +93,7 @@ class FusedDecoder:
             qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
             self.layers.append({
                 "ln1": layer.input_layernorm, "ln2": layer.post_attention_layernorm,
+                "q_norm": getattr(attn, "q_norm", None), "k_norm": getattr(attn, "k_norm", None),
                 "qkv": PackedLinear(torch.cat([p.weight for p in qkv]), _cat_bias(*qkv), rows),
                 "o": PackedLinear(attn.o_proj.weight, attn.o_proj.bias, rows),
                 "gate_up": PackedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
@@ -83,7 +114,7 @@ class FusedDecoder:
         body = self.model.model
         rows, width = input_ids.shape
         hidden = body.embed_tokens(input_ids).view(rows * width, -1)  # [U*L, H]
-        positions = torch.arange(width).repeat(rows)  # [U*L]
+        positions = torch.arange(width, device=input_ids.device).repeat(rows)  # [U*L]
         cos, sin = self._rotary(hidden, positions)
         layer_kv = []
         for layer in self.layers:
@@ -93,7 +124,7 @@ class FusedDecoder:
             hidden = hidden + layer["o"](out.transpose(1, 2).reshape(rows * width, -1))
             hidden = hidden + self._mlp(layer, layer["ln2"](hidden))
             layer_kv.append((k, v))
-        last = hidden.view(rows, width, -1)[torch.arange(rows), lengths - 1]  # [U, H]
+        last = hidden.view(rows, width, -1)[torch.arange(rows, device=hidden.device), lengths - 1]  # [U, H]
         return self.lm_head(body.norm(last)), layer_kv
 
     @torch.inference_mode()
@@ -127,7 +158,10 @@ class FusedDecoder:
         """x: [N, H] -> rotated q [N, heads, D], rotated k and v [N, kv_heads, D]."""
         qkv = layer["qkv"](x)  # [N, (heads + 2 kv) * D]
         qk_size = (self.heads + self.kv_heads) * self.head_dim
-        qk = _rotate(qkv[:, :qk_size].view(x.shape[0], -1, self.head_dim), cos, sin)  # q and k in one pass
+        qk = qkv[:, :qk_size].view(x.shape[0], -1, self.head_dim)
+        if layer["q_norm"] is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
+            qk = torch.cat((layer["q_norm"](qk[:, : self.heads]), layer["k_norm"](qk[:, self.heads :])), dim=1)
+        qk = _rotate(qk, cos, sin)  # q and k in one pass
         return qk[:, : self.heads], qk[:, self.heads :], qkv[:, qk_size:].view(x.shape[0], -1, self.head_dim)
 
     def _decode_attention(self, q, keys_t, values, bias, rows, slots, every_slot) -> torch.Tensor:
@@ -158,5 +192,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _cat_bias(*linears) -> torch.Tensor | None:
     if all(lin.bias is None for lin in linears):
         return None
-    return torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype)
+    return torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features, dtype=lin.weight.dtype,
+                                                                                   device=lin.weight.device)
                       for lin in linears])

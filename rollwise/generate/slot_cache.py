@@ -19,14 +19,14 @@ import torch
 
 
 class SlotCache:
-    """Per layer: keys `[slots, kv_heads, head_dim, capacity]` and values `[slots, kv_heads, capacity, head_dim]`;
-    per-slot lengths `[slots]`."""
+    """Per layer: keys `[slots, kv_heads, head_dim, capacity]` and values `[slots, kv_heads, capacity, value_dim]`
+    (`value_dim` defaults to `head_dim`); per-slot lengths `[slots]`."""
 
     def __init__(self, num_layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", value_dim: int | None = None):
         self.keys = [torch.zeros((slots, kv_heads, head_dim, capacity), dtype=dtype, device=device)
                      for _ in range(num_layers)]
-        self.values = [torch.zeros((slots, kv_heads, capacity, head_dim), dtype=dtype, device=device)
+        self.values = [torch.zeros((slots, kv_heads, capacity, value_dim or head_dim), dtype=dtype, device=device)
                        for _ in range(num_layers)]
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # valid columns per slot
         self._read_full = dtype != torch.float32
@@ -79,6 +79,14 @@ class SlotCache:
         cols = torch.arange(self._width, device=self.lengths.device)[None, :]  # [1, W]
         mask = cols <= self._write_cols[:, None]  # [slots, W]: own columns plus the one being written
         return self._write_cols[:, None], mask[:, None, None, :]
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`begin_step`'s mask for a sliding-window layer, [slots, 1, 1, width] bool: of each slot's columns up to
+        the one being written, the last `window` (column c holds position c, so key c is visible to the query
+        at position p when p - window < c <= p, as transformers' sliding masks have it)."""
+        cols = torch.arange(self._width, device=self.lengths.device)[None, :]  # [1, W]
+        written = self._write_cols[:, None]  # [slots, 1]
+        return ((cols <= written) & (cols > written - window))[:, None, None, :]
 
     def end_step(self, active: torch.Tensor) -> None:
         """After a decode step: the written column becomes part of each active slot."""

@@ -26,6 +26,7 @@ from rollwise.generate.base import EngineCaps
 from rollwise.generate.fused_decode import FusedDecoder
 from rollwise.generate.sampling import sample_with_full_logprobs
 from rollwise.generate.slot_cache import SlotCache
+from rollwise.models.arch import FULL, SLIDING, describe, exact_attention, head_logits
 from rollwise.models.compat import cache_kwargs
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
 
@@ -98,11 +99,14 @@ class TorchEngine:
         self.stats = EngineStats()
         self._aborted: set[int] = set()
         self._lock = threading.Lock()
-        cfg = self.model.config
-        self._layers = cfg.num_hidden_layers
-        self._kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.fused = FusedDecoder(self.model, max_batch_size) if fused and FusedDecoder.supports(self.model) else None
+        if self.model.config._attn_implementation not in ("sdpa", "eager"):  # e.g. the trainer's block attention:
+            self.model.set_attn_implementation("sdpa")  # decode steps hand the model plain 4-D masks
+        exact_attention(self.model)
+        # the geometry the model really uses (a config may carry keys its architecture ignores)
+        self.arch = describe(self.model)
+        self._layers, self._kv_heads, self._head_dim = self.arch.layers, self.arch.kv_heads, self.arch.key_dim
+        eligible = fused and FusedDecoder.refusal(self.model, self.arch) is None
+        self.fused = FusedDecoder(self.model, max_batch_size) if eligible else None
 
     # -- protocol -----------------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -144,7 +148,7 @@ class TorchEngine:
                                         else self.generator)
         capacity = max(len(r.prompt_ids) + max(len(r.response_ids), r.params.max_new_tokens) for r in reqs) + 1
         cache = SlotCache(self._layers, min(self.max_batch_size, len(reqs)), self._kv_heads, capacity,
-                          self._head_dim, self.dtype, self.device)
+                          self._head_dim, self.dtype, self.device, value_dim=self.arch.value_dim)
         waiting = deque(reqs)
         slots: list[_Sequence | None] = [None] * cache.slots
         while waiting or any(slots):
@@ -203,10 +207,10 @@ class TorchEngine:
         logits, keys, values = [], [[] for _ in range(self._layers)], [[] for _ in range(self._layers)]
         for start in range(0, len(contexts), per_chunk):
             chunk = contexts[start : start + per_chunk]
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            attn = torch.zeros((len(chunk), width), dtype=torch.long)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long, device="cpu")  # moved once below
+            attn = torch.zeros((len(chunk), width), dtype=torch.long, device="cpu")
             for row, c in enumerate(chunk):
-                ids[row, : len(c)] = torch.tensor(c)
+                ids[row, : len(c)] = torch.tensor(c, device="cpu")
                 attn[row, : len(c)] = 1
             ids, attn = ids.to(self.device), attn.to(self.device)
             if self.fused is not None:
@@ -234,11 +238,11 @@ class TorchEngine:
                                           ).last_hidden_state
         last = hidden[torch.arange(len(ids), device=ids.device), attn.sum(-1) - 1]  # [u, H]
         kv = [(dyn.layers[i].keys, dyn.layers[i].values) for i in range(self._layers)]
-        return self.model.get_output_embeddings()(last), kv
+        return head_logits(self.arch, self.model, last), kv
 
     def _decode_step(self, cache, slots, active, generators, results) -> None:
-        pending = torch.full((cache.slots,), self.pad_id, dtype=torch.long)
-        is_active = torch.zeros(cache.slots, dtype=torch.bool)
+        pending = torch.full((cache.slots,), self.pad_id, dtype=torch.long, device="cpu")  # moved once below
+        is_active = torch.zeros(cache.slots, dtype=torch.bool, device="cpu")
         for i in active:
             pending[i] = slots[i].pending
             is_active[i] = True
@@ -248,7 +252,8 @@ class TorchEngine:
         if self.fused is not None:
             logits = self.fused.step(pending, positions[:, 0], cache, idx)  # [A, V]
         else:
-            out = self.model(input_ids=pending[:, None], attention_mask=mask, position_ids=positions,
+            out = self.model(input_ids=pending[:, None], attention_mask=self._decode_mask(cache, mask),
+                             position_ids=positions,
                              **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
             logits = out.logits[idx, -1]
         cache.end_step(is_active)
@@ -264,6 +269,20 @@ class TorchEngine:
                 results[seq.req.request_id] = self._result(seq)
                 slots[i] = None
                 cache.lengths[i] = 0
+
+    def _decode_mask(self, cache, causal: torch.Tensor):
+        """The attention mask the model's forward takes for a decode step: `causal` [slots, 1, 1, W] bool, the
+        window's mask for sliding-window layers (one per layer type when only some layers slide), additive
+        (0 / dtype min) for eager attention, which adds its mask to the scores."""
+        windows = {w for w in self.arch.windows if w is not None}
+        masks = {FULL: causal, **{SLIDING: cache.window_mask(w) for w in windows}}
+        if self.model.config._attn_implementation == "eager":
+            low = torch.finfo(self.dtype).min
+            masks = {k: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, low)
+                     for k, m in masks.items()}
+        if self.arch.mask_keys:
+            return {key: masks[key] for key in self.arch.mask_keys}
+        return masks[SLIDING] if windows else masks[FULL]
 
     def _append(self, seq: _Sequence, token: int, logprob: float, full_logprob: float) -> None:
         """Record a sampled token (behaviour and untruncated log-probs) and decide whether the sequence stops here."""

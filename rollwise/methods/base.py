@@ -64,10 +64,12 @@ class Prepared:
 
 @dataclass
 class MethodSetup:
-    """What the run gives a method when it is built (rollwise.build): the config, the teacher (None when no stage
-    uses one), the tokenizer and prompt encoder, and the SFT stages' demonstration sources by stage index."""
+    """What the run gives a method when it is built (rollwise.build): the config, the policy module, the teacher
+    (None when no stage uses one), the tokenizer and prompt encoder, and the SFT stages' demonstration sources by
+    stage index."""
 
     cfg: Any
+    policy: Any = None  # the trained model (its architecture: e.g. a final-logit soft-cap)
     teacher: Any = None
     tokenizer: Any = None
     encoder: Any = None

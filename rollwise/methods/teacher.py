@@ -14,6 +14,7 @@ from rollwise.distill.routing import route_samples
 from rollwise.distill.terms import StepMarks, StepTerms
 from rollwise.methods.base import Method, Prepared, StepInput
 from rollwise.methods.rl import mark_correct_for_sft, sft_coef_now
+from rollwise.models.arch import logit_softcap
 
 
 class OPD(Method):
@@ -35,7 +36,8 @@ class OPD(Method):
         d = cfg.distill
         terms = StepTerms(teacher=True, objective=d.objective, coef=d.coef, reward_weight=d.reward_weight,
                           gkd_beta=d.gkd_beta, temperature=cfg.teacher.temperature,
-                          sft_coef=sft_coef_now(cfg, step.stage, step.step, samples), marks=marks)
+                          sft_coef=sft_coef_now(cfg, step.stage, step.step, samples), marks=marks,
+                          softcap=logit_softcap(self.setup.policy) if self.setup.policy is not None else None)
         return Prepared(samples, terms, metrics, record=marks.record)
 
     def after_update(self, policy) -> None:

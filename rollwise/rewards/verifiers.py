@@ -1,4 +1,4 @@
-"""Built-in verifiers, registered in `REWARDS`: `arith`, `letters`, `math`, `exact`.
+"""Built-in verifiers, registered in `REWARDS`: `arith`, `letters`, `math`, `gsm8k`, `exact`.
 
 Each is `fn(sample) -> RewardResult` reading `sample.response_text` and `sample.prompt.answer`, with
 value 1.0 / 0.0, parts `correct` (1.0 / 0.0) and `format` (1.0 when an answer could be extracted), and
@@ -120,19 +120,61 @@ def numeric_match(ref: str, text: str) -> tuple[bool, bool]:
     return math.isclose(float(pred), gold, rel_tol=REL_TOL), True
 
 
-@REWARDS.register("math")
-def math_reward(sample: Sample) -> RewardResult:
-    """math-verify equivalence of the response and the reference; numeric fallback when either won't parse."""
+GSM8K_MARK = "####"  # GSM8K's reference solutions end with "#### <answer>"
+# A thousands separator: a comma between a digit and exactly three digits ("1,080", "12,345,678"; not "1,2").
+THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+def after_mark(text: str) -> str | None:
+    """The answer after the last '####' (GSM8K's final-answer mark): the rest of that line, stripped
+    ('... #### 1,080' -> '1,080'; '#### 72\\nHope this helps' -> '72'); None when there is no mark."""
+    if GSM8K_MARK not in text:
+        return None
+    rest = text.rsplit(GSM8K_MARK, 1)[1].strip()
+    return rest.splitlines()[0].strip() if rest else ""
+
+
+def math_answer(sample: Sample, ref: str) -> RewardResult:
+    """math-verify equivalence of the response's final answer and the reference answer `ref`.
+
+    The response's answer is what follows its last '####' when it has one (GSM8K style), else the whole text
+    (math-verify takes the last `\\boxed{}`, else the last expression). When the reference is a plain number,
+    thousands separators in the response are removed first ('$1,080' -> '$1080'). When either side does not
+    parse, the last numbers are compared (`numeric_match`)."""
     from math_verify import parse, verify
 
-    ref = reference(sample)
+    text = sample.response_text
+    text = after_mark(text) if GSM8K_MARK in text else text
+    if NUMBER_RE.fullmatch(ref.replace(" ", "")):
+        ref, text = ref.replace(",", "").replace(" ", ""), THOUSANDS_RE.sub("", text)
     limit = _math_verify_timeout()
     gold = parse(_as_latex(ref), parsing_timeout=limit)
-    pred = parse(sample.response_text, parsing_timeout=limit)
+    pred = parse(text, parsing_timeout=limit)
     if gold and pred:
         return verdict(sample, bool(verify(gold, pred, timeout_seconds=limit)), found=True)
-    correct, found = numeric_match(ref, sample.response_text)
+    correct, found = numeric_match(ref, text)
     return verdict(sample, correct, found)
+
+
+@REWARDS.register("math")
+def math_reward(sample: Sample) -> RewardResult:
+    """math-verify equivalence of the response and the reference (a MATH solution's last `\\boxed{}`, a GSM8K
+    solution's answer after '####', or a bare answer); numeric fallback when either won't parse."""
+    ref = reference(sample)
+    return math_answer(sample, after_mark(ref) or ref)
+
+
+@REWARDS.register("gsm8k")
+def gsm8k_reward(sample: Sample) -> RewardResult:
+    """GSM8K: the reference is a worked solution ending in '#### <answer>' (e.g. '... #### 1,080'), compared with
+    the response's final number, `\\boxed{}` answer or '#### <answer>' line by math-verify. A reference without
+    '####' raises (counted as a reward error): data.answer_field probably names the wrong field."""
+    ref = reference(sample)
+    gold = after_mark(ref)
+    if not gold:
+        raise ValueError(f"reference of prompt {sample.prompt.source or sample.prompt.uid!r} has no '#### <answer>' "
+                         f"line (GSM8K's format), got {ref[-60:]!r}; check data.answer_field or use reward.fn = 'math'")
+    return math_answer(sample, gold)
 
 
 @REWARDS.register("exact")

@@ -10,7 +10,7 @@ Two layouts share one `MicroBatch` type:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -48,6 +48,20 @@ class MicroBatch:
     @property
     def computed_tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """Every tensor on `device` (one move per micro-batch: collate builds on the CPU)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        layout = None if self.layout is None else [row.to(device) for row in self.layout]
+        return replace(self, **moved, layout=layout)
 
 
 def _units(samples: list[Sample], share_prompt: bool) -> list[list[Sample]]:
@@ -99,27 +113,29 @@ def collate(samples: list[Sample], pad_id: int, share_prompt: bool = False, vers
     ordered = [s for r in rows for s in r]
     width = max(_row_tokens(r) for r in rows)
     R, S, T = len(rows), len(ordered), max(len(s.response_ids) for s in ordered)
-    input_ids = torch.full((R, width), pad_id, dtype=torch.long)
-    positions = torch.zeros((R, width), dtype=torch.long)
-    segment = torch.full((R, width), -1, dtype=torch.long)  # -2 prompt, i >= 0 response i, -1 padding
-    pred_index = torch.zeros((S, T), dtype=torch.long)
+    cpu = torch.device("cpu")  # built here from Python lists, moved once by `MicroBatch.to`
+    input_ids = torch.full((R, width), pad_id, dtype=torch.long, device=cpu)
+    positions = torch.zeros((R, width), dtype=torch.long, device=cpu)
+    segment = torch.full((R, width), -1, dtype=torch.long, device=cpu)  # -2 prompt, i >= 0 response i, -1 padding
+    pred_index = torch.zeros((S, T), dtype=torch.long, device=cpu)
     k = 0
     layout = []
     for r, unit in enumerate(rows):
         P = len(unit[0].prompt_ids)
         spans = []
-        input_ids[r, :P] = torch.tensor(unit[0].prompt_ids)
-        positions[r, :P] = torch.arange(P)
+        input_ids[r, :P] = torch.tensor(unit[0].prompt_ids, device=cpu)
+        positions[r, :P] = torch.arange(P, device=cpu)
         segment[r, :P] = -2
         start = P
         for i, s in enumerate(unit):
             n = len(s.response_ids)
-            input_ids[r, start : start + n] = torch.tensor(s.response_ids)
-            positions[r, start : start + n] = torch.arange(P, P + n)
+            input_ids[r, start : start + n] = torch.tensor(s.response_ids, device=cpu)
+            positions[r, start : start + n] = torch.arange(P, P + n, device=cpu)
             segment[r, start : start + n] = i
             # token 0 is predicted by the last prompt position, token t by the response's token t - 1
             if n:
-                pred_index[k, :n] = r * width + torch.cat([torch.tensor([P - 1]), torch.arange(start, start + n - 1)])
+                pred_index[k, :n] = r * width + torch.cat([torch.tensor([P - 1], device=cpu),
+                                                           torch.arange(start, start + n - 1, device=cpu)])
                 spans.append((start, n))
             start += n
             k += 1
@@ -127,7 +143,7 @@ def collate(samples: list[Sample], pad_id: int, share_prompt: bool = False, vers
     real = int((segment != -1).sum())
     attention = _shared_mask(segment) if share_prompt else (segment != -1).long()
     targets, loss_mask, blp, full, valid = _sample_tensors(ordered, T, pad_id)
-    adv = torch.tensor([s.advantage for s in ordered], dtype=torch.float32)
+    adv = torch.tensor([s.advantage for s in ordered], dtype=torch.float32, device=cpu)
     shared_layout = layout if share_prompt and all(row is not None for row in layout) else None
     mb = MicroBatch(ordered, input_ids, attention, positions, targets, loss_mask, behaviour_logp=blp, full_logp=full,
                     valid=valid, current=current_version_mask(ordered, T, version), pred_index=pred_index,
@@ -141,7 +157,7 @@ def current_version_mask(samples: list[Sample], T: int, version: int | None) -> 
     Tokens no span covers (samples built without spans) count as current; `version=None` marks every token.
     Older tokens come from partial rollouts continued across steps, async generation and replay.
     """
-    current = torch.zeros((len(samples), T), dtype=torch.bool)
+    current = torch.zeros((len(samples), T), dtype=torch.bool, device="cpu")
     for b, s in enumerate(samples):
         n = len(s.response_ids)
         current[b, :n] = True
@@ -159,30 +175,31 @@ def _shared_mask(segment: torch.Tensor) -> torch.Tensor:
     Padding queries see only themselves, so no softmax row is empty.
     """
     L = segment.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool).tril()  # [L, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=segment.device).tril()  # [L, L]
     q, k = segment[:, :, None], segment[:, None, :]  # [R, L, 1], [R, 1, L]
     allowed = causal & ((k == -2) | ((q == k) & (q >= 0)))
-    allowed |= torch.eye(L, dtype=torch.bool)[None]
+    allowed |= torch.eye(L, dtype=torch.bool, device=segment.device)[None]
     return allowed[:, None]
 
 
 def _sample_tensors(samples: list[Sample], T: int, pad_id: int):
     S = len(samples)
-    targets = torch.full((S, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((S, T), dtype=torch.float32)
-    blp = torch.zeros((S, T), dtype=torch.float32)
-    full = torch.zeros((S, T), dtype=torch.float32)
-    valid = torch.zeros((S, T), dtype=torch.bool)
+    cpu = torch.device("cpu")
+    targets = torch.full((S, T), pad_id, dtype=torch.long, device=cpu)
+    mask = torch.zeros((S, T), dtype=torch.float32, device=cpu)
+    blp = torch.zeros((S, T), dtype=torch.float32, device=cpu)
+    full = torch.zeros((S, T), dtype=torch.float32, device=cpu)
+    valid = torch.zeros((S, T), dtype=torch.bool, device=cpu)
     for b, s in enumerate(samples):
         n = len(s.response_ids)
         if len(s.loss_mask) != n or len(s.behaviour_logprobs) != n:
             raise ValueError(f"sample of group {s.group_id}: {len(s.loss_mask)} loss-mask entries and "
                              f"{len(s.behaviour_logprobs)} behaviour log-probs for {n} response tokens; they must "
                              "be equal (an environment or engine appended tokens without their mask)")
-        targets[b, :n] = torch.tensor(s.response_ids)
-        mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        blp[b, :n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-        full[b, :n] = torch.tensor(_full_logprobs(s), dtype=torch.float32)
+        targets[b, :n] = torch.tensor(s.response_ids, device=cpu)
+        mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float32, device=cpu)
+        blp[b, :n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32, device=cpu)
+        full[b, :n] = torch.tensor(_full_logprobs(s), dtype=torch.float32, device=cpu)
         valid[b, :n] = True
     return targets, mask, blp, full, valid
 

@@ -23,4 +23,4 @@ class ValueHead(torch.nn.Module):
         """flat_h: [n, H] hidden states of the valid response positions of `mb` -> values [S, T] fp32."""
         values = self.proj(flat_h.float()).squeeze(-1)  # [n]
         S, T = mb.targets.shape
-        return torch.zeros(S, T, dtype=torch.float32).masked_scatter(mb.valid, values)
+        return torch.zeros(S, T, dtype=torch.float32, device=mb.device).masked_scatter(mb.valid, values)

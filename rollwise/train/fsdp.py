@@ -298,7 +298,7 @@ class FSDPTrainer(Trainer):
             dist.all_reduce(flat)
             for p, part in zip(plain, flat.split([p.grad.numel() for p in plain])):
                 p.grad.copy_(part.view_as(p.grad))
-        nonfinite = torch.tensor([float(self._nonfinite_loss)])
+        nonfinite = torch.tensor([float(self._nonfinite_loss)], device=self.device)  # NCCL: a CUDA tensor
         dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
         norms = []
         grads = [p.grad for p in sharded if p.grad is not None]
@@ -317,7 +317,7 @@ class FSDPTrainer(Trainer):
         """NonFiniteError on every rank, naming the first parameter whose shard on any rank holds NaN/Inf."""
         bad = next((name for name, p in self.model.named_parameters()
                     if not bool(torch.isfinite(_local(p.detach())).all())), "")
-        flag = torch.tensor([1.0 if bad else 0.0])
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():
             names: list[Any] = [None] * self.world_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rollwise.models.arch import logit_softcap
 from rollwise.train.batching import MicroBatch
 from rollwise.train.shared_attention import NAME as SHARED_ATTENTION
 
@@ -49,14 +50,15 @@ class _HeadLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, with_entropy: bool):
+    def forward(ctx, h, weight, targets, with_entropy: bool, softcap: float | None = None):
         ctx.set_materialize_grads(False)
+        ctx.softcap = softcap  # logits cap * tanh(z / cap) (Gemma 2's final_logit_softcapping, over temperature)
         with torch.autocast(h.device.type, enabled=False):  # h and weight already share a dtype; stay fp32 after
             return _HeadLogprob._forward(ctx, h, weight, targets, with_entropy)
 
     @staticmethod
     def _forward(ctx, h, weight, targets, with_entropy: bool):
-        logits = (h @ weight.T).float()  # [C, V]
+        logits = _capped((h @ weight.T).float(), ctx.softcap)  # [C, V]
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # [C]
         entropy = None
@@ -69,7 +71,7 @@ class _HeadLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         h, weight, targets = ctx.saved_tensors
-        logits = (h @ weight.T).float()  # [C, V]
+        logits = _capped((h @ weight.T).float(), ctx.softcap)  # [C, V]
         probs = torch.softmax(logits, dim=-1)
         grad = None
         if grad_entropy is not None:
@@ -80,9 +82,15 @@ class _HeadLogprob(torch.autograd.Function):
             term = probs.mul_(-grad_logp[:, None]).scatter_add_(-1, targets[:, None], grad_logp[:, None])
             grad = term if grad is None else grad.add_(term)
         if grad is None:
-            return None, None, None, None
+            return None, None, None, None, None
+        if ctx.softcap:  # d cap * tanh(z / cap) / dz = 1 - (logit / cap)^2
+            grad.mul_(1 - (logits / ctx.softcap) ** 2)
         grad = grad.to(h.dtype)
-        return grad @ weight, grad.T @ h, None, None
+        return grad @ weight, grad.T @ h, None, None, None
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
 
 def token_logprobs(
@@ -108,13 +116,14 @@ def token_logprobs(
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     flat_h, weight = flat_h.to(dtype), weight.to(dtype)
     logps, ents = [], []
+    cap = logit_softcap(model)  # on logits / temperature: cap * tanh(z / cap) / T = (cap / T) tanh((z / T) / (cap / T))
     for rows in row_chunks(flat_h.shape[0], chunk_tokens):
         h, t = flat_h[rows], flat_t[rows]
-        lp, ent = _HeadLogprob.apply(h, weight, t, with_entropy)
+        lp, ent = _HeadLogprob.apply(h, weight, t, with_entropy, cap / temperature if cap else None)
         logps.append(lp)
         ents.append(ent)
     S, T = mb.targets.shape
-    logp = torch.zeros(S, T, dtype=torch.float32).masked_scatter(mb.valid, torch.cat(logps))
+    logp = torch.zeros(S, T, dtype=torch.float32, device=mb.device).masked_scatter(mb.valid, torch.cat(logps))
     if not with_entropy:
         return logp, None
-    return logp, torch.zeros(S, T, dtype=torch.float32).masked_scatter(mb.valid, torch.cat(ents))
+    return logp, torch.zeros(S, T, dtype=torch.float32, device=mb.device).masked_scatter(mb.valid, torch.cat(ents))

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from rollwise.models.attention import attend, causal_attention, window
+
 NAME = "rollwise_shared"
 
 
@@ -41,23 +43,35 @@ class RowLayout:
 
     @classmethod
     def build(cls, prompt_len: int, spans: list[tuple[int, int]]) -> "RowLayout":
+        """Built on the CPU (from Python lists); `to(device)` moves it with its micro-batch."""
+        cpu = torch.device("cpu")
         longest = max(n for _, n in spans)
-        offsets = torch.arange(longest)
-        starts = torch.tensor([s for s, _ in spans])[:, None]
-        lengths = torch.tensor([n for _, n in spans])[:, None]
+        offsets = torch.arange(longest, device=cpu)
+        starts = torch.tensor([s for s, _ in spans], device=cpu)[:, None]
+        lengths = torch.tensor([n for _, n in spans], device=cpu)[:, None]
         keep = offsets[None, :] < lengths  # [G, Lr]
         index = starts + torch.minimum(offsets[None, :], (lengths - 1).clamp(min=0))  # [G, Lr]
-        own = torch.ones(longest, longest, dtype=torch.bool).tril()[None] & keep[:, None, :]  # [G, Lr, Lr]
-        prompt = torch.ones(len(spans), longest, prompt_len, dtype=torch.bool)
+        own = torch.ones(longest, longest, dtype=torch.bool, device=cpu).tril()[None] & keep[:, None, :]  # [G, Lr, Lr]
+        prompt = torch.ones(len(spans), longest, prompt_len, dtype=torch.bool, device=cpu)
         return cls(prompt_len, index, keep, torch.cat([prompt, own], dim=-1)[:, None])
+
+    def to(self, device: torch.device) -> "RowLayout":
+        return RowLayout(self.prompt_len, self.index.to(device), self.keep.to(device), self.mask.to(device))
 
 
 def shared_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     shared_layout: list[RowLayout] | None = None, **kwargs):
-    """query [R, H, L, D], key/value [R, KV, L, D] -> ([R, L, H, D], None), as HF attention functions return."""
+                     shared_layout: list[RowLayout] | None = None, sliding_window: int | None = None,
+                     softcap: float | None = None, **kwargs):
+    """query [R, H, L, D], key/value [R, KV, L, D] -> ([R, L, H, D], None), as HF attention functions return.
+    A layer's `sliding_window` and `softcap` (Gemma 2/3, Mistral) apply as `rollwise.models.attention` says."""
     if shared_layout is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        if sliding_window is None and softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        return causal_attention(query, key, value, attention_mask, scaling, kwargs.get("position_ids"),
+                                sliding_window, softcap), None
+    if sliding_window is not None or softcap is not None:
+        return _windowed_shared(query, key, value, scaling, shared_layout, sliding_window, softcap), None
     gqa = query.shape[1] != key.shape[1]
     heads, width, head_dim = query.shape[1:]
     rows_out = []
@@ -81,6 +95,33 @@ def shared_attention(module, query, key, value, attention_mask, dropout: float =
         row_out = torch.cat([prompt_out, prompt_out.new_zeros(heads, width - P, head_dim)], dim=1)
         rows_out.append(row_out.index_copy(1, flat[keep], resp))
     return torch.stack(rows_out).transpose(1, 2).contiguous(), None
+
+
+def _windowed_shared(query, key, value, scaling, shared_layout, sliding_window, softcap):
+    """`shared_attention`'s blocks with a sliding window and/or soft cap (positions: prompt 0..P-1, each
+    response P, P + 1, ...) -> [R, L, H, D]."""
+    heads, width, head_dim = query.shape[1:]
+    rows_out = []
+    for r, row in enumerate(shared_layout):
+        P, (G, Lr) = row.prompt_len, row.index.shape
+        q, k, v = query[r], key[r], value[r]  # [H | KV, L, D]
+        pos = torch.arange(P + Lr, device=query.device)
+        own = torch.ones((P, P), dtype=torch.bool, device=query.device).tril()
+        mask = row.mask
+        if sliding_window is not None:
+            own = own & window(pos[:P], pos[:P], sliding_window)
+            mask = mask & window(pos[P:], pos, sliding_window)
+        prompt_out = attend(q[None, :, :P], k[None, :, :P], v[None, :, :P], own, scaling, softcap)[0]  # [H, P, D]
+        flat = row.index.reshape(-1)
+        rq, rk, rv = (t[:, flat].view(t.shape[0], G, Lr, -1).transpose(0, 1) for t in (q, k, v))  # [G, H|KV, Lr, D]
+        keys = torch.cat([k[None, :, :P].expand(G, -1, -1, -1), rk], dim=2)  # [G, KV, P + Lr, D]
+        values = torch.cat([v[None, :, :P].expand(G, -1, -1, -1), rv], dim=2)
+        resp_out = attend(rq, keys, values, mask, scaling, softcap)  # [G, H, Lr, D]
+        keep = row.keep.reshape(-1)
+        resp = resp_out.transpose(0, 1).reshape(heads, G * Lr, head_dim)[:, keep]  # [H, n, D]
+        row_out = torch.cat([prompt_out, prompt_out.new_zeros(heads, width - P, head_dim)], dim=1)
+        rows_out.append(row_out.index_copy(1, flat[keep], resp))
+    return torch.stack(rows_out).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(NAME, shared_attention)

@@ -85,7 +85,8 @@ class Trainer:
             FrozenReference(ref_model) if ref_model is not None else None)
         self.version = 0
         self.temperature = temperature if temperature > 0 else 1.0
-        self.device_type = next(model.parameters()).device.type
+        self.device = next(model.parameters()).device  # the policy's (train.device): every batch moves here once
+        self.device_type = self.device.type
         self.bf16 = use_bf16(train_cfg.precision, self.device_type)
         if self.bf16 and ref_model is not None:
             _store_linears_in(ref_model, torch.bfloat16)
@@ -94,7 +95,8 @@ class Trainer:
                 if m is not None:
                     m.set_attn_implementation(SHARED_ATTENTION)
         self.objective = Objective(algo_cfg, max_new_tokens)  # fails early on unknown names and options
-        self.value_head = ValueHead(model.config.hidden_size) if algo.is_token_advantage(algo_cfg.advantage) else None
+        self.value_head = ValueHead(model.config.hidden_size).to(self.device) \
+            if algo.is_token_advantage(algo_cfg.advantage) else None
         params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if self.value_head is not None:  # a fresh layer: its own, larger learning rate
             params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})
@@ -116,7 +118,7 @@ class Trainer:
     def _micro_batches(self, samples: list[Sample], version: int | None = None) -> list[MicroBatch]:
         share = self.cfg.share_prompt
         groups = split_by_tokens(samples, self.cfg.micro_batch_tokens, share_prompt=share)
-        return [collate(g, self.pad_id, share_prompt=share, version=version) for g in groups]
+        return [collate(g, self.pad_id, share_prompt=share, version=version).to(self.device) for g in groups]
 
     @torch.no_grad()
     def _frozen_logprobs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
@@ -295,7 +297,7 @@ class Trainer:
                 hidden = self._hidden(mb)
             values = self.value_head(hidden, mb)  # [S, T], fp32 as in the training pass
             rewards = torch.tensor([s.reward if s.train_reward is None else s.train_reward for s in mb.samples],
-                                   dtype=torch.float32)
+                                   dtype=torch.float32, device=mb.device)
             mb.advantages, returns = algo.token_advantage(self.algo.advantage, rewards, values, mb.loss_mask,
                                                           gamma=self.algo.gamma, lam=self.algo.lam)
             out.append((values, returns))
