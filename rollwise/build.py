@@ -7,8 +7,9 @@
 | trainer        | lora.rank, train.backend, world_size, cluster.ray     | `Trainer`, `LoraTrainer`, `FSDPTrainer` (ranks  |
 |                |                                                      | spawned, from torchrun, or Ray actors)          |
 | methods        | [[stage]], teacher.*                                 | `MethodPlan` (rl / opd / opsd / sft / plugins)  |
-| rollouts       | rollout.source, control.mode, env, distill.trb_*     | local, generation process, `rollwise serve`,    |
-|                |                                                      | episodes, teacher-blended                       |
+| rollouts       | rollout.source, control.mode, env, agent, distill.*  | local, generation process, `rollwise serve`,    |
+|                |                                                      | episodes, agent programs (EPISODE_SOURCES),     |
+|                |                                                      | teacher-blended                                 |
 | sync, sinks... | sync.*, run.trackers, replay.*, reward.*             | `WeightSync`, metric sinks, replay, controller  |
 
 The loop receives these as objects with typed protocols (`Engine`, `Trainer`, `Rollouts`, `Method`) and never
@@ -29,7 +30,6 @@ from rollwise.control import Controller
 from rollwise.data import PromptEncoder, build_prompt_source
 from rollwise.distill.guards import Guards
 from rollwise.envs import EnvError, build_env
-from rollwise.envs.episode import EpisodeCodec
 from rollwise.generate.factory import build_engine as build_local_engine, engine_dtype
 from rollwise.hardware import auto_threads, configure_allocator, configure_threads, resolve_device, slow_bf16_warning
 from rollwise.methods import MethodSetup
@@ -39,12 +39,19 @@ from rollwise.metrics import build_sinks, truncate_after
 from rollwise.models import load_model, model_info
 from rollwise.models.weights_folder import write_initial_weights
 from rollwise.perf import FlopCounter
+from rollwise.registry import Registry
 from rollwise.replay import ReplayBuffer
 from rollwise.rewards import RewardFailureGuard, build_reward_fn
-from rollwise.rollout import Episodes, LocalRollouts, ProcessRollouts
+from rollwise.rollout import LocalRollouts, ProcessRollouts, episodes_for
 from rollwise.session import Run, encode_eval_prompts, restore_loop_state, restore_state, seed_everything
 from rollwise.sync import WeightSync
 from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state
+
+# Episode sources that run beside the engine loop, by name: a factory `(cfg, prompt source) -> source | None`
+# (None when the run does not use it), imported on first use; a source gives `reward(fn)` (the run's reward
+# wrapped) and `episodes(tokenizer)` (run.episodes; with a `rollouts(engine)` of its own for the Generate stage).
+EPISODE_SOURCES: Registry = Registry("episode source")
+EPISODE_SOURCES.register_lazy("agent", "rollwise.agents:agent_source")  # agent programs, verifiers environments
 
 
 def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
@@ -58,10 +65,8 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
     generation_threads = split_threads(cfg)
     seed_everything(cfg.train.seed)
     source = build_prompt_source(cfg.data, cfg.train.seed)  # data errors before the model loads
-    env = build_env(cfg.env, getattr(source, "default_env", None))  # and environment errors
-    if env is not None and cfg.control.mode == "async":
-        raise EnvError(f"environment {env.name!r}: multi-turn episodes step their environment between engine "
-                       "calls in this process; use control.mode = 'sync'")
+    external = episode_source(cfg, source)  # agent programs run the episodes themselves (rollwise.agents)
+    env = None if external is not None else build_env(cfg.env, getattr(source, "default_env", None))
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
@@ -80,11 +85,14 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
         truncate_after(run_dir, state["step"])
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
     reward_fn = build_reward_fn(cfg.reward, source.default_reward)
+    reward_fn = external.reward(reward_fn) if external is not None else reward_fn
     writer = build_sinks(cfg.run.trackers, run_dir, cfg.run.name or run_dir.name, cfg.model_dump(mode="json"),
                          resume_step=state["step"] if state is not None else None)  # JSONL + run.trackers
     run = Run(cfg, run_dir, model, tokenizer, None, None, source, encoder, reward_fn, writer)
     if env is not None:
-        run.episodes = Episodes(env, EpisodeCodec(tokenizer, cfg.data.system_prompt), cfg.env.max_episode_tokens)
+        run.episodes = episodes_for(cfg, env, tokenizer, getattr(source, "default_env", None))
+    elif external is not None:
+        run.episodes = external.episodes(tokenizer)
     try:  # nothing opened here outlives a failed start (engines, servers, ranks, tracker runs, workers)
         run.engine = build_engine(cfg, model, tokenizer, run_dir)  # plain weights: with LoRA, the base
         if lora:  # adapters wrap the model in place (after the engine copied it); the reference is the base
@@ -96,6 +104,15 @@ def open_run(cfg: Config, run_dir: Path, resume: bool = False) -> Run:
         run.close()
         raise
     return run
+
+
+def episode_source(cfg: Config, source):
+    """The first source of `EPISODE_SOURCES` the run uses, or None (episodes from the engine and `[env]`)."""
+    for name in EPISODE_SOURCES.names():
+        found = EPISODE_SOURCES.get(name)(cfg, source)
+        if found is not None:
+            return found
+    return None
 
 
 def split_threads(cfg: Config) -> int:
@@ -194,7 +211,7 @@ def build_plan(run: Run) -> MethodPlan:
     from rollwise.distill.teacher import build_teacher
 
     cfg = run.cfg
-    stages = plan_stages(cfg.stage, cfg.train.steps, cfg.teacher)
+    stages = plan_stages(cfg.stage, cfg.train.steps, cfg.teacher, cfg.algo.method)
     setup = MethodSetup(cfg, policy=run.model, tokenizer=run.tokenizer, encoder=run.encoder,
                         demo_sources=load_demo_sources(cfg, stages))
     plan = MethodPlan(stages, setup)
@@ -217,15 +234,17 @@ def build_rollouts(run: Run, generation_threads: int):
     (`rollout.source = "service"`), a generation process (`control.mode = "async"`); with the TRB warm-up or
     the teacher rollout mixture, the teacher blended into sampling."""
     cfg = run.cfg
-    rollouts = LocalRollouts(run.engine, run.episodes)
+    own = getattr(run.episodes, "rollouts", None)  # an episode source with its own Generate stage (rollwise.agents)
+    rollouts = own(run.engine) if own is not None else LocalRollouts(run.engine, run.episodes)
     if cfg.rollout.source == "service":  # generation by a `rollwise serve` elsewhere (rollwise/serve/client.py)
         from rollwise.serve.client import service_rollouts
 
         rollouts = service_rollouts(run)
     elif cfg.control.mode == "async":
         plain = run.engine.model if cfg.lora.rank > 0 else run.model  # the process copies a plain model
+        recipe = getattr(run.episodes, "recipe", None)  # episodes run in the generation process too
         rollouts = ProcessRollouts(start_generation_process(cfg, plain, run.tokenizer, generation_threads,
-                                                            run.step))
+                                                            run.step, recipe), run.episodes if recipe else None)
     if cfg.distill.trb_steps > 0 or cfg.distill.teacher_rollouts_per_group > 0:  # the teacher samples too
         from rollwise.distill.blend import BlendedRollouts
 
@@ -235,13 +254,14 @@ def build_rollouts(run: Run, generation_threads: int):
     return rollouts
 
 
-def start_generation_process(cfg: Config, model, tokenizer, threads: int, version: int):
-    """The async mode's generation process: its own engine, weights (`model`'s, as `version`) and threads."""
+def start_generation_process(cfg: Config, model, tokenizer, threads: int, version: int, episodes=None):
+    """The async mode's generation process: its own engine, weights (`model`'s, as `version`) and threads; with
+    `episodes` (an `EpisodeRecipe`), the run's environment built there."""
     from rollwise.generate.process import GenerationProcess
 
     return GenerationProcess(model, tokenizer, dtype=engine_dtype(cfg.model.dtype),
                              max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed + 1, threads=threads,
-                             device=cfg.control.generation_device, version=version)
+                             device=cfg.control.generation_device, version=version, episodes=episodes)
 
 
 def build_substitution(run: Run):
@@ -249,8 +269,10 @@ def build_substitution(run: Run):
     if run.episodes is None or not hasattr(run.source, "guided_prompt"):
         return None
     if run.rollouts.engine is None:
+        where = ("control.mode = 'async'" if run.cfg.rollout.source == "local"
+                 else f"rollout.source = {run.cfg.rollout.source!r}")
         print(f"rollwise: task {run.source.name!r}: hard-sample substitution needs the run's own engine; it is off "
-              f"with rollout.source = {run.cfg.rollout.source!r}", flush=True)
+              f"with {where}", flush=True)
         return None
     rollout = run.cfg.rollout
     if rollout.temperature != 1.0 or rollout.top_p < 1.0 or rollout.top_k > 0:

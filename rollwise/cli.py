@@ -130,16 +130,21 @@ def eval_cmd(
                                        "the task's environment (instead of its held-out split)"),
     out: Optional[str] = typer.Option(None, "--out", help="write one JSON line per episode: prompt, answer, "
                                       "transcript, final, correct"),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="sampled responses per prompt (default eval.k of the run, "
+                                    "else 1): with K > 1, unbiased pass@j for j = 1, 2, 4, ... < K and K, and avg@K"),
+    greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="also one greedy response per prompt"),
+    best: bool = typer.Option(False, "--best", help="with a run directory: its best checkpoint "
+                              "(checkpoints/best, written by train.early_stop) instead of its newest"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),
     debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:
-    """Accuracy on a task's held-out split (or on --data): prints one JSON object."""
+    """Accuracy (and pass@k with --k) on a task's held-out split (or on --data): prints one JSON object."""
     _quiet_libraries()
     from rollwise.evaluate_cli import run_eval_command
 
     with guard(None, debug):
         result = run_eval_command(model, task, n, temperature, max_new_tokens, list(overrides or []),
-                                  data=data, out=out)
+                                  data=data, out=out, k=k, greedy=greedy, best=best)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 

@@ -9,7 +9,8 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, SecretStr, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SecretStr, ValidationError, field_serializer,
+                      field_validator, model_validator)
 
 from rollwise.errors import UserError
 from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig
@@ -81,6 +82,9 @@ class DataConfig(Section):
     eval_split_name: str | None = Field(None, min_length=1, description="held-out split, e.g. 'test': of "
                                         "data.eval_path when given (else that dataset's train split), otherwise of "
                                         "data.path; None = a fixed slice of data.path is held out")
+    mix: list["MixSource"] = Field(default_factory=list, description="[[data.mix]] tables: a mixture of sources, "
+                                   "each a task or path with any data key, plus name, weight and reward "
+                                   "(docs/tasks.md)")
 
     @field_validator("ops")
     @classmethod
@@ -88,6 +92,45 @@ class DataConfig(Section):
         if not ops:
             raise ValueError("ops must name at least one operator")
         return ops
+
+    @field_serializer("mix")
+    def _mix_tables(self, mix: list["MixSource"]) -> list[dict[str, Any]]:
+        """Each table as the keys it sets (config.toml writes it as an inline table; unset keys would be None)."""
+        out = []
+        for entry in mix:
+            keys = entry.model_dump(mode="json", exclude_none=True, exclude_defaults=True, exclude={"mix"})
+            source = {"path": entry.path} if entry.path is not None else {"task": entry.task}
+            out.append({"name": entry.name, "weight": entry.weight, **source, **keys})
+        return out
+
+
+MIX_NAME = r"^[A-Za-z0-9_.-]+$"  # a source name is a metric path segment: reward/<name>/accuracy
+
+
+class MixSource(DataConfig):
+    """One `[[data.mix]]` table: a source (any data key: task or path, options, eval_size...) with its name,
+    weight and reward."""
+
+    name: str = Field("", pattern=MIX_NAME, description="the source's name in metrics (reward/<name>/accuracy) and "
+                      "in Prompt.origin; default: the reasoning-gym dataset or task name, or the file's stem")
+    weight: float = Field(1.0, gt=0.0, description="share of training prompts, relative to the other tables")
+    reward: str | None = Field(None, description="reward name or 'pkg.mod:fn'; None = the source's own")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("name"):
+            path, task = data.get("path"), data.get("task") or "arith"
+            if path:
+                tail = str(path).rstrip("/").replace("\\", "/").rsplit("/", 1)[-1].split("@", 1)[0]
+                name = tail.split(".", 1)[0] or tail
+            else:
+                name = str(task).rsplit(":", 1)[-1]
+            data = {**data, "name": name}
+        return data
+
+
+DataConfig.model_rebuild()
 
 
 class RolloutConfig(Section):
@@ -132,6 +175,26 @@ class RewardConfig(Section):
                           "(stops rewards that hang in C code)")
     max_failed_steps: int = Field(2, ge=1, description="stop the run when every reward of this many steps in a "
                                   "row failed")
+    # reward.fn = "judge": an LLM judge behind an OpenAI-compatible chat endpoint (rollwise/rewards/judge.py)
+    judge_url: str | None = Field(None, description="judge: base URL of an OpenAI-compatible server, e.g. "
+                                  "'http://127.0.0.1:8000/v1' (vLLM, `rollwise serve`, a hosted API)")
+    judge_model: str | None = Field(None, description="judge: model name sent in each request; None = the first "
+                                    "model the server lists at /models")
+    judge_api_key: Secret | None = Field(None, description="judge: its Bearer token, a secret never written to "
+                                         "config.toml; None = $ROLLWISE_JUDGE_API_KEY, else no token",
+                                         json_schema_extra={"env": "ROLLWISE_JUDGE_API_KEY"})
+    judge_template: str | None = Field(None, description="judge: the user message, with {question}, {reference} "
+                                       "and {response}; it must ask for 'Score: N'; None = the built-in one (0-10)")
+    judge_max_tokens: int = Field(64, gt=0, description="judge: tokens of one judgement at most")
+    judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (a step's samples "
+                                   "are judged concurrently)")
+    judge_retries: int = Field(2, ge=0, description="judge: retries of a request that failed on the network, timed "
+                               "out or got HTTP 429 / 5xx (not of an unparsable answer); reward.timeout_s bounds "
+                               "each sample, retries included")
+    judge_score_max: float = Field(10.0, gt=0.0, description="judge: the score scale; 'Score: N' becomes "
+                                   "N / judge_score_max, and N outside 0..judge_score_max is a failed judgement")
+    judge_threshold: float = Field(0.5, ge=0.0, le=1.0, description="judge: a normalised score at or above this "
+                                   "is correct")
 
 
 
@@ -166,6 +229,34 @@ class EnvConfig(Section):
     parser: Literal["tag", "hermes"] = Field("tag", description="tool-call syntax: tag '<calc>EXPR</calc>' or "
                                              "hermes '<tool_call>{json}</tool_call>'")
     options: Options = Field(default_factory=dict, description="keyword options of the environment")
+    schedule: Literal["continuous", "asap", "rounds"] = Field(
+        "continuous", description="how turns reach the engine: continuous (env steps in a pool, the next turn joins "
+        "the running batch lag_steps engine steps later; reproducible), asap (joins as soon as the tool returns; "
+        "not reproducible), rounds (env steps inline, one engine call per turn); engines without a request feed "
+        "run rounds")
+    workers: int = Field(8, ge=1, description="threads stepping environments (continuous, asap); 1 = one step at "
+                         "a time, for an env whose step is not thread-safe")
+    lag_steps: int = Field(4, ge=0, description="continuous: engine steps between a turn's end and its next turn "
+                           "joining the batch; a tool slower than that makes the engine wait (episode/stall_s)")
+
+
+class AgentConfig(Section):
+    """Agent programs as the episode source (docs/agentic.md): a Python function that calls an OpenAI-compatible
+    chat endpoint, served the policy on loopback; the trainer sees exactly the tokens the engine sampled."""
+
+    program: str | None = Field(None, description="'pkg.mod:fn', called fn(task, client) once per episode (sync or "
+                                "async def); None = the task's own (data.task = 'verifiers:ID'), else no agent")
+    concurrency: int = Field(64, ge=1, description="episodes running at once")
+    timeout_s: float = Field(300.0, gt=0.0, description="wall-clock limit of one episode; a program over it fails "
+                             "its sample (counted)")
+    max_calls: int = Field(16, ge=1, description="chat calls per episode at most; more get HTTP 429 and the episode "
+                           "ends without an answer unless the program returns one")
+    on_mismatch: Literal["split", "drop"] = Field("split", description="a call whose prompt does not extend the "
+                                                  "previous call's tokens (rewritten history): 'split' trains it as "
+                                                  "another sample of the group, 'drop' leaves the episode out")
+    batch_wait_s: float = Field(0.05, ge=0.0, description="how long a call waits for other running episodes' calls "
+                                "to join its engine batch")
+    options: Options = Field(default_factory=dict, description="passed to the program as task.options")
 
 
 class SandboxConfig(Section):
@@ -201,6 +292,33 @@ class AlgoConfig(Section):
     value_lr: float = Field(1e-3, gt=0.0, description="learning rate of the value head (a fresh layer)")
     value_clip: float | None = Field(0.2, gt=0.0, description="value-loss clip around old values; None = off")
     filter_zero_variance: bool = True
+    method: str = Field("rl", description="the method of a run without [[stage]] tables (rollwise.methods): rl, acrl, "
+                        "dcmdp or a plugin 'pkg.mod:Class'; a teacher (teacher.weights) makes it opd / opsd")
+    discrepancy_measure: Literal["k3", "abs_gap"] = Field(
+        "k3", description="acrl / dcmdp: the engine-vs-trainer discrepancy D of a step, on tokens of the current "
+        "version: k3 = KL(engine || trainer) estimate (mismatch/k3), abs_gap = mean |log-prob gap|")
+    discrepancy_target: float = Field(0.01, gt=0.0, description="dcmdp: the tolerance D may reach; acrl: the most D "
+                                      "the tokens an update trains on may have")
+    dual_lr: float = Field(10.0, gt=0.0, description="dcmdp: lambda <- clip(lambda + dual_lr x (D - target), 0, "
+                           "dual_max) after each step")
+    dual_max: float = Field(100.0, gt=0.0, description="dcmdp: lambda is kept at most this")
+    acrl_gain: float = Field(1.0, gt=0.0, le=1.0, description="acrl: the gap threshold moves this far (geometrically) "
+                             "toward the one fitted to the last step: 1 = take it, below 1 = smooth it")
+    acrl_threshold_max: float = Field(2.0, gt=0.0, description="acrl: the loosest (and first) threshold on a "
+                                      "token's |log-prob gap| (2.0: a probability ratio of e^2 = 7.4)")
+    acrl_threshold_min: float = Field(0.05, gt=0.0, description="acrl: the tightest threshold")
+
+
+class EarlyStopConfig(Section):
+    """`train.early_stop`: stop when an evaluation metric has not improved for `patience` evaluations, keeping
+    the checkpoint of its best evaluation (`checkpoints/best`; rollwise/early_stop.py)."""
+
+    metric: str = Field("eval/greedy_accuracy", description="an eval/ key: eval/greedy_accuracy, "
+                        "eval/sampled_accuracy, eval/pass@K, eval/avg@K, eval/<source>/..., eval/response_len_mean")
+    mode: Literal["max", "min"] = Field("max", description="max = higher is better")
+    patience: int = Field(3, ge=0, description="evaluations in a row without an improvement before the run stops; "
+                          "0 = never stop, only keep the best checkpoint")
+    min_delta: float = Field(0.0, ge=0.0, description="an improvement must beat the best value by more than this")
 
 
 class TrainConfig(Section):
@@ -236,6 +354,8 @@ class TrainConfig(Section):
         "(free on a single on-policy update: no extra pass), 'behaviour' = the engine's sampling log-probs "
         "(never an extra pass)"
     )
+    early_stop: EarlyStopConfig | None = Field(None, description="stop on an evaluation metric and keep the best "
+                                               "checkpoint, e.g. {metric = 'eval/greedy_accuracy', patience = 3}")
 
 
 class ControlConfig(Section):
@@ -311,6 +431,8 @@ class EvalConfig(Section):
     temperature: float = Field(0.7, ge=0.0)
     max_new_tokens: int | None = Field(None, gt=0, description="None = rollout.max_new_tokens")
     greedy: bool = True
+    k: int = Field(1, ge=1, description="sampled responses per prompt: with k > 1 evaluations report pass@j "
+                   "(unbiased, Chen et al. 2021) for j = 1, 2, 4, ... < k and k, and avg@k")
 
 
 class RunConfig(Section):
@@ -331,6 +453,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)

@@ -84,8 +84,8 @@ class StageConfig(_Section):
     response_field: str = "response"
 
 
-def implicit_kind(teacher: TeacherConfig) -> str:
-    """The kind of a run without `[[stage]]`: opsd with a teacher context, opd with a teacher, else rl."""
+def implicit_kind(teacher: TeacherConfig, method: str = "rl") -> str:
+    """The kind of a run without `[[stage]]`: opsd with a teacher context, opd with a teacher, else `algo.method`."""
     if teacher.weights is None:
-        return "rl"
+        return method
     return "opsd" if teacher.context != "none" else "opd"

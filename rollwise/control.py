@@ -27,7 +27,7 @@ from rollwise import algo
 from rollwise.config import Config
 from rollwise.filter import apply_filters
 from rollwise.generate.groups import StopRule, is_complete, new_groups, oldest_version, sampling_params
-from rollwise.rewards import reward_metrics, score_sample
+from rollwise.rewards import reward_metrics, score_batch
 from rollwise.types import Group, Prompt, Sample, Status
 
 PromptFn = Callable[[int], list[tuple[Prompt, list[int]]]]
@@ -125,8 +125,10 @@ class Controller:
             self.carried = [g for g in self.carried if id(g) not in ran] + [g for g in groups if not is_complete(g)]
             complete = self._check_staleness(complete, result.version, version, counts)  # stale ones: not scored
             with timer("reward"):
-                out.scored += [s for g in complete for s in g.samples
-                               if score_sample(s, self.reward_fn, self.cfg.reward.timeout_s)]
+                # one call for the round: a reward with a batch hook (worker processes, a judge's concurrent
+                # requests) scores them together
+                out.scored += score_batch([s for g in complete for s in g.samples], self.reward_fn,
+                                          self.cfg.reward.timeout_s)
                 counts["samples"] += sum(len(g.samples) for g in complete)
             if self.substitution is not None and complete:  # ToolExpander: rescue groups nothing solved
                 with timer("rollout"):

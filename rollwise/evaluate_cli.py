@@ -12,22 +12,34 @@ from rollwise import sandbox
 from rollwise.config import load_config
 from rollwise.validate import validate
 from rollwise.envs import build_env
-from rollwise.envs.episode import EpisodeCodec, final_text, transcript
-from rollwise.rollout import Episodes
+from rollwise.envs.episode import final_text, transcript
+from rollwise.rollout import episodes_for
 from rollwise.data import PromptEncoder, build_prompt_source
-from rollwise.evaluate import evaluate
+from rollwise.evaluate import evaluate, origin_of
 from rollwise.generate import TorchEngine
 from rollwise.hardware import configure_allocator, configure_threads
 from rollwise.models import load_model
 from rollwise.rewards import build_reward_fn
 from rollwise.generate.factory import engine_dtype
 from rollwise.session import encode_eval_prompts
-from rollwise.train.checkpoint import latest_checkpoint
+from rollwise.train.checkpoint import BEST, CHECKPOINTS, best_checkpoint, latest_checkpoint
 
 
-def resolve_target(model: str) -> tuple[str, Path | None]:
-    """(model to load, recipe of the run it came from). A run directory resolves to its newest checkpoint."""
+def resolve_target(model: str, best: bool = False) -> tuple[str, Path | None]:
+    """(model to load, recipe of the run it came from). A run directory resolves to its newest checkpoint, or
+    with `best` (or given as RUN_DIR/checkpoints/best) to the checkpoint of its best evaluation
+    (train.early_stop)."""
     path = Path(model)
+    if path.name == BEST and path.parent.name == CHECKPOINTS and path.is_file():
+        path, best = path.parent.parent, True
+    if best:
+        if not (path / CHECKPOINTS).is_dir():
+            raise FileNotFoundError(f"--best takes a run directory; {path} has no {CHECKPOINTS}/ folder")
+        ckpt = best_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"{path} has no {CHECKPOINTS}/{BEST} naming a complete checkpoint: the run had "
+                                    "no train.early_stop (or no evaluation yet); drop --best for its newest one")
+        return str(ckpt), path / "config.toml"
     if (path / "checkpoints").is_dir():
         ckpt = latest_checkpoint(path)
         if ckpt is None:
@@ -52,8 +64,13 @@ def load_policy(target: str, base_name: str):
 
 
 def run_eval_command(model: str, task: str | None, n: int, temperature: float, max_new_tokens: int | None,
-                     overrides: list[str], data: str | None = None, out: str | None = None) -> dict:
-    target, recipe = resolve_target(model)
+                     overrides: list[str], data: str | None = None, out: str | None = None, k: int | None = None,
+                     greedy: bool = True, best: bool = False) -> dict:
+    """`rollwise eval`: one JSON-ready dict. `k` sampled responses per prompt (None = eval.k of the run's
+    recipe, else 1): with k > 1 the result has pass@j and avg@k (and per source, under `sources`)."""
+    if k is not None and k < 1:
+        raise ValueError(f"--k must be at least 1, got {k}")
+    target, recipe = resolve_target(model, best)
     extra = [f"data.task={_quote(task)}"] if task else []
     cfg = load_config(recipe if recipe and recipe.exists() else None, overrides + extra)
     if task or data:  # another task than the run's (or a file of prompts): its own data and split
@@ -75,30 +92,48 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
     encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
     prompts = encode_eval_prompts(source, encoder, n)
     reward_fn = build_reward_fn(cfg.reward, task_source.default_reward)
-    episodes = None if env is None else Episodes(env, EpisodeCodec(tokenizer, cfg.data.system_prompt),
-                                                 cfg.env.max_episode_tokens)
+    episodes = None if env is None else episodes_for(cfg, env, tokenizer, getattr(task_source, "default_env", None))
     kept: list = []
+    k = k or cfg.eval.k
     try:
         metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens or cfg.rollout.max_new_tokens,
-                           reward_timeout_s=cfg.reward.timeout_s, episodes=episodes, keep_samples=kept)
+                           greedy=greedy, reward_timeout_s=cfg.reward.timeout_s, episodes=episodes,
+                           keep_samples=kept, k=k)
     finally:
         getattr(reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
     if out:
         write_episodes(Path(out), kept)
-    episode_keys = {k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items() if "_episode/" in k}
+    episode_keys = {key.removeprefix("eval/"): round(v, 4) for key, v in metrics.items() if "_episode/" in key}
     return {
         "model": target,
         "task": cfg.data.path or cfg.data.task,
         "n": len(prompts),
         "temperature": temperature,
+        "k": k,
         "sampled_accuracy": metrics["eval/sampled_accuracy"],
-        "greedy_accuracy": metrics["eval/greedy_accuracy"],
+        **pass_figures(metrics, "eval/"),
+        "greedy_accuracy": metrics.get("eval/greedy_accuracy"),
         "response_len_mean": metrics["eval/response_len_mean"],
-        "greedy_response_len_mean": metrics["eval/greedy_response_len_mean"],
+        "greedy_response_len_mean": metrics.get("eval/greedy_response_len_mean"),
         **episode_keys,
+        **per_source(metrics, {origin_of(p) for p, _ in prompts}),
         **({"out": out} if out else {}),
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def pass_figures(metrics: dict, prefix: str) -> dict:
+    """`pass@j` and `avg@k` of an eval row, under `prefix`, without it."""
+    return {key.removeprefix(prefix): value for key, value in metrics.items()
+            if key.startswith(prefix) and key.removeprefix(prefix).startswith(("pass@", "avg@"))}
+
+
+def per_source(metrics: dict, origins: set[str]) -> dict:
+    """`{"sources": {origin: {n, sampled_accuracy, greedy_accuracy, pass@j, avg@k}}}` with more than one origin."""
+    if len(origins) < 2:
+        return {}
+    return {"sources": {o: {key.removeprefix(f"eval/{o}/"): value for key, value in metrics.items()
+                            if key.startswith(f"eval/{o}/")} for o in sorted(origins)}}
 
 
 class FilePrompts:

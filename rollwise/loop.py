@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from rollwise.advantages import assign_advantages
+from rollwise.early_stop import EarlyStop
 from rollwise.control import StepBatch, staleness_metrics
 from rollwise.envs.episode import episode_metrics
 from rollwise.evaluate import evaluate
@@ -79,7 +80,9 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     return row, batch
 
 
-def run_eval(run: Run) -> dict[str, float]:
+def run_eval(run: Run, early: EarlyStop | None = None) -> dict[str, float]:
+    """Evaluate the current policy and log the row; `early` (train.early_stop) observes it, and saves the
+    step's checkpoint when it is the best so far."""
     cfg = run.cfg
     adapt_threads()
     start = time.perf_counter()
@@ -87,9 +90,11 @@ def run_eval(run: Run) -> dict[str, float]:
         run.engine.update_weights(run.trainer.policy_state(), version=run.step)
     metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, cfg.eval.temperature,
                        cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy,
-                       reward_timeout_s=cfg.reward.timeout_s, episodes=run.episodes)
+                       reward_timeout_s=cfg.reward.timeout_s, episodes=run.episodes, k=cfg.eval.k)
     row = {"step": run.step, "kind": "eval", **metrics, "perf/time/eval_s": time.perf_counter() - start}
     run.writer.write(row)
+    if early is not None:
+        early.observe(row, save=lambda: save_run(run))
     return row
 
 
@@ -129,14 +134,15 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
     print(f"rollwise: run {run_dir} | model {cfg.model.name} | task {cfg.data.path or cfg.data.task} | "
           f"step {run.step}/{cfg.train.steps}", flush=True)
     first_eval = None
+    early = EarlyStop.for_run(cfg.train.early_stop, run_dir)  # resumed: its state from the run's eval rows
     if run.step == 0 and cfg.eval.n > 0:
         print(f"rollwise: evaluating the starting model on {len(run.eval_prompts)} held-out prompts", flush=True)
         stop.phase = "evaluation at step 0"
-        first_eval = run_eval(run)
+        first_eval = run_eval(run, early)
     with ConsoleView(cfg.train.steps, enabled=cfg.run.console, start_step=run.step) as view:
         if first_eval:
             view.eval(first_eval)
-        while run.step < cfg.train.steps:
+        while run.step < cfg.train.steps and not early.stops(run.step):
             # a first Ctrl-C anywhere in this iteration (the step, its logs, an evaluation or checkpoint due now)
             # lets the iteration finish, then saves and stops
             stop.in_step, stop.phase = True, f"step {run.step + 1}"
@@ -153,9 +159,9 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
             view.update(run.step, row)
             if cfg.eval.every_steps and run.step % cfg.eval.every_steps == 0 and run.step < cfg.train.steps:
                 stop.phase = f"evaluation at step {run.step}"
-                view.eval(run_eval(run))
+                view.eval(run_eval(run, early))
             saved = cfg.run.save_every_steps and run.step % cfg.run.save_every_steps == 0
-            if saved or stop.requested:
+            if (saved or stop.requested) and early.saved_step != run.step:
                 stop.phase = f"checkpoint at step {run.step}"
                 save_run(run)
             stop.in_step = False
@@ -165,14 +171,20 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
                 print(f"rollwise: train.max_time_s={cfg.train.max_time_s:g} reached after step {run.step}", flush=True)
                 break
     stop.phase = f"final evaluation at step {run.step}"
-    last_eval = run_eval(run) if cfg.eval.n > 0 else None
+    if early.stopped_at is not None:  # the evaluation that stopped the run is the last one
+        last_eval = early.last_row
+    else:
+        last_eval = run_eval(run, early) if cfg.eval.n > 0 else None
     stop.phase = f"final checkpoint at step {run.step}"
-    save_run(run)
+    if early.saved_step != run.step:
+        save_run(run)
     stop.phase = "report"
-    return finish(run, first_eval, last_eval)
+    if early.enabled:
+        print(early.line(run.step), flush=True)
+    return finish(run, first_eval, last_eval, early)
 
 
-def finish(run: Run, first_eval: dict | None, last_eval: dict | None) -> dict:
+def finish(run: Run, first_eval: dict | None, last_eval: dict | None, early: EarlyStop | None = None) -> dict:
     from rollwise.metrics.report import summarize
 
     if run.cfg.run.report:
@@ -186,6 +198,7 @@ def finish(run: Run, first_eval: dict | None, last_eval: dict | None) -> dict:
         "tokens_trained": run.totals["tokens_trained"],
         "steps": run.step,
         "run_dir": str(run.run_dir),
+        **({"early_stop": early.summary()} if early is not None and early.enabled else {}),
     }
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)

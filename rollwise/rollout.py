@@ -73,18 +73,56 @@ class JobResult:
 
 @dataclass
 class Episodes:
-    """How a run's samples become multi-turn episodes: its environment, codec and token budget
-    (rollwise.envs.episode)."""
+    """How a run's samples become multi-turn episodes: its environment, codec, token budget and turn schedule
+    (rollwise.envs.episode). `recipe` rebuilds it in a generation process (`control.mode = "async"`)."""
 
     env: object
     codec: object
     max_episode_tokens: int
+    schedule: object = None  # a rollwise.envs.episode.TurnSchedule; None = its defaults
+    recipe: EpisodeRecipe | None = None
 
     def run(self, engine: Engine, groups: list[Group], params: SamplingParams, ids: count,
             stop: StopRule | None = None) -> GenerateStats:
-        from rollwise.envs.episode import run_episodes
+        from rollwise.envs.episode import TurnSchedule, run_episodes
 
-        return run_episodes(engine, groups, params, ids, self.env, self.codec, stop, self.max_episode_tokens)
+        return run_episodes(engine, groups, params, ids, self.env, self.codec, stop, self.max_episode_tokens,
+                            self.schedule or TurnSchedule())
+
+
+@dataclass
+class EpisodeRecipe:
+    """What a generation process needs to build a run's `Episodes` itself: plain data (the `[env]` config, the
+    task's default environment, the system prompt), never the built environment, which may hold what does not
+    pickle. The environment is built again from its name: a built-in, or a plugin `'pkg.module:factory'` the
+    child can import (an environment registered at run time in this process only cannot be)."""
+
+    env: object  # an EnvConfig
+    task_env: str | None
+    system_prompt: str | None
+
+    def build(self, tokenizer) -> Episodes:
+        """The `Episodes` in this process (EnvError when its environment cannot be built here)."""
+        from rollwise.envs import EnvError, build_env
+        from rollwise.envs.episode import EpisodeCodec, TurnSchedule
+
+        try:
+            env = build_env(self.env, self.task_env)
+        except EnvError as exc:  # the trainer's process built it: what differs here is what can be imported
+            raise EnvError(f"{exc} (a generation process builds the environment again from [env]; a factory "
+                           "registered at run time in the trainer's process only is unknown there: name it as "
+                           "'package.module:function')") from None
+        return Episodes(env, EpisodeCodec(tokenizer, self.system_prompt), self.env.max_episode_tokens,
+                        TurnSchedule.from_config(self.env), self)
+
+
+def episodes_for(cfg, env, tokenizer, task_env: str | None) -> Episodes:
+    """The run's `Episodes` around its built `env` (`cfg`: the run config; `[env]` gives budget and schedule)."""
+    from rollwise.envs.episode import EpisodeCodec, TurnSchedule
+
+    recipe = EpisodeRecipe(cfg.env.model_copy(deep=True), task_env, cfg.data.system_prompt)
+    return Episodes(env, EpisodeCodec(tokenizer, cfg.data.system_prompt), cfg.env.max_episode_tokens,
+                    TurnSchedule.from_config(cfg.env), recipe)
 
 
 class Rollouts(Protocol):
@@ -152,15 +190,17 @@ class LocalRollouts:
 
 class ProcessRollouts:
     """Generation in a `GenerationProcess`: jobs run there in submission order, each with the newest weights
-    pushed so far (and at least `min_version`), while this process trains."""
+    pushed so far (and at least `min_version`), while this process trains. With `episodes` (the process was
+    started with their recipe), every job's samples run there as whole episodes: the groups go to the child
+    and come back with their episodes."""
 
     engine = None  # the engine lives in the generation process
-    episodes = None  # episodes step their environment in this process: sync mode only
 
-    def __init__(self, process):
+    def __init__(self, process, episodes: Episodes | None = None):
         from rollwise.generate.torch_engine import EngineStats
 
         self.process = process
+        self.episodes = episodes  # this process's copy (evaluation); jobs run the child's
         self.stats = EngineStats()
         self.threads: int | None = None  # the generation process's torch threads, from its results
         self._ids = count()
@@ -171,6 +211,10 @@ class ProcessRollouts:
                stop: StopRule | None = None) -> None:
         if stop is not None:
             raise ValueError("a generation process runs whole jobs: partial rollouts need control.mode = 'sync'")
+        if self.episodes is not None:
+            self._jobs[job] = (groups, {})
+            self.process.submit_episodes(job, groups, params, min_version=min_version)
+            return
         todo = unfinished_requests(groups, params, self._ids)
         self._jobs[job] = (groups, {req.request_id: s for req, s in todo})
         self.process.submit(job, [req for req, _ in todo], min_version=min_version)
@@ -183,11 +227,17 @@ class ProcessRollouts:
         groups, sample_of = self._jobs.pop(job)
         for result in done.results:
             merge_result(sample_of[result.request_id], result)
+        if done.groups is not None:  # episodes: the child's samples replace ours, under our prompt objects
+            for group, back in zip(groups, done.groups, strict=True):
+                for s in back.samples:
+                    s.prompt = group.prompt
+                group.samples[:] = back.samples
         for key, value in done.stats.items():
             setattr(self.stats, key, getattr(self.stats, key) + value)
         self.threads = done.threads or self.threads
         completed = sum(is_complete(g) for g in groups)
-        return JobResult(done.version, done.generate_s, GenerateStats(len(sample_of), 0, completed))
+        stats = done.job_stats or GenerateStats(len(sample_of), 0, completed)
+        return JobResult(done.version, done.generate_s, stats)
 
     def push_weights(self, state: dict, version: int) -> None:
         """`state`: the policy's parameters by name (the trainer's `policy_state()`)."""

@@ -29,7 +29,8 @@ class Prompt:
     """One prompt from a task or a dataset.
 
     `messages` is a chat (list of {"role", "content"}); `answer` is the reference the verifier uses.
-    `source` names where it came from (task name or `file:row`) for error messages.
+    `source` names where it came from (task name or `file:row`) for error messages. `origin` is the name of
+    the `[[data.mix]]` source it was drawn from ("" with one source): per-source metrics group by it.
     """
 
     uid: str
@@ -37,6 +38,7 @@ class Prompt:
     answer: str | None = None
     source: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    origin: str = ""
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,13 @@ def validate(cfg: Config) -> Config:
 
 def run_errors(cfg: Config) -> list[str]:
     """Contradictions between the run's own sections (not methods, not names)."""
+    from rollwise.agents import agent_errors
+    from rollwise.early_stop import early_stop_errors
+    from rollwise.rewards import reward_setting_errors
+
     return [*_device_errors(cfg), *_objective_errors(cfg), *_off_policy_errors(cfg), *_scale_out_errors(cfg),
-            *_tracker_errors(cfg)]
+            *_tracker_errors(cfg), *early_stop_errors(cfg), *reward_setting_errors(cfg.reward),
+            *agent_errors(cfg)]
 
 
 def _device_errors(cfg: Config) -> list[str]:
@@ -116,7 +121,22 @@ def _scale_out_errors(cfg: Config) -> list[str]:
                       "a server you run yourself: set cluster.ray = false")
     if sync.transport in ("safetensors", "nccl") and rollout.engine == "torch":
         errors.append(f"sync.transport = {sync.transport!r} is for vLLM; the torch engine takes 'tensors' (or 'auto')")
-    return errors
+    return errors + _weight_quant_errors(cfg)
+
+
+def _weight_quant_errors(cfg: Config) -> list[str]:
+    """`rollout.engine_options.weight_quant`: a scheme of rollwise.generate.quantize, on the torch engine."""
+    from rollwise.generate.quantize import SCHEMES
+
+    quant = cfg.rollout.engine_options.get("weight_quant")
+    if quant is None:
+        return []
+    if cfg.rollout.engine != "torch":
+        return [f"rollout.engine_options.weight_quant is the torch engine's; with rollout.engine = "
+                f"{cfg.rollout.engine!r} use that engine's own quantization option (vLLM: quantization = 'fp8')"]
+    if quant not in SCHEMES:
+        return [f"rollout.engine_options.weight_quant = {quant!r} is not one of {', '.join(SCHEMES)}"]
+    return []
 
 
 def _tracker_errors(cfg: Config) -> list[str]:

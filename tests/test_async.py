@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import signal
 import subprocess
 import time
@@ -103,3 +104,54 @@ def test_ctrl_c_stops_the_async_run_and_its_generation_process(tiny_model_dir, t
                  and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.1)
     assert not alive, f"orphan generation processes after Ctrl-C: {alive}\n{output}"
+
+
+EPISODES = {**ASYNC, "control.max_staleness": 1, "train.steps": 2, "rollout.max_new_tokens": 8,
+            "env.max_turns": 3, "env.max_episode_tokens": 48, "run.samples_logged_per_step": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [{"data.task": "calc"}, {"env.name": "toy_plugins:toy_tool_env"}],
+                         ids=["calc", "plugin_env"])
+def test_episodes_run_in_the_generation_process_within_the_staleness_bound(make_config, tmp_path, env):
+    """The environment is built again in the generation process from [env] (a built-in task's, or a plugin by
+    dotted path); its episodes come back whole and train within the bound."""
+    before = children()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = train(make_config(**EPISODES, **env), tmp_path / "run")
+    assert summary["steps"] == 2
+    rows = [r for r in read_rows(tmp_path / "run") if r["kind"] == "train"]
+    assert all(r["episode/n"] > 0 and r["rollout/tokens"] > 0 for r in rows)
+    assert all(r["control/staleness_max"] <= 1 and r["control/groups_stale_dropped"] == 0 for r in rows)
+    assert all("control/off_policy_token_frac" in r for r in rows)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step-2.jsonl").read_text().splitlines()]
+    assert logged and all(row["transcript"][-1]["role"] == "assistant" for row in logged)
+    if "env.name" in env:  # the tool ran in the child: calls came back with the episodes
+        assert sum(r["episode/tool_calls_mean"] for r in rows) > 0
+    else:  # calc's hard-sample substitution needs the engine in this process: off, and said so
+        assert "hard-sample substitution needs the run's own engine; it is off with control.mode = 'async'" \
+            in out.getvalue()
+    assert children() == before
+
+
+@pytest.mark.slow
+def test_an_env_the_generation_process_cannot_build_stops_the_start_in_one_line(make_config, tmp_path):
+    """A factory registered at run time in this process only: the child cannot import it."""
+    from rollwise.envs import ENVS
+    from rollwise.errors import UserError
+    from rollwise.generate.process import GenerationSetupError
+    from toy_plugins import toy_tool_env
+
+    ENVS.register("registered_here_only")(toy_tool_env)
+    before = children()
+    try:
+        with pytest.raises(GenerationSetupError) as raised:
+            quiet_train(make_config(**EPISODES, **{"env.name": "registered_here_only"}), tmp_path / "run")
+    finally:
+        ENVS._entries.pop("registered_here_only")
+    message = str(raised.value)
+    assert isinstance(raised.value, UserError) and "\n" not in message
+    assert message.startswith("in the generation process: env.name: unknown environment 'registered_here_only'")
+    assert "name it as 'package.module:function'" in message
+    assert children() == before

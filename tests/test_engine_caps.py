@@ -90,6 +90,59 @@ def test_every_engine_class_declares_caps_and_the_methods_they_promise(key):
                 assert not has, f"{key} has {method}() but does not declare caps.{cap}"
 
 
+@pytest.mark.parametrize("key", sorted(ENGINES))
+def test_an_engine_takes_a_request_feed_exactly_when_it_declares_one(key):
+    """caps.request_feed is a keyword of `generate`, not a method: the signature says it."""
+    import inspect
+
+    cls = _load(key)
+    takes = "feed" in inspect.signature(cls.generate).parameters
+    assert takes == cls.caps.request_feed, f"{key}: caps.request_feed = {cls.caps.request_feed}, generate(feed=) {takes}"
+
+
+def test_episodes_take_turns_in_rounds_on_an_engine_without_a_feed():
+    """An engine without caps.request_feed is never handed a feed: each turn is one generate call."""
+    from itertools import count
+
+    from rollwise.envs.base import StepResult
+    from rollwise.envs.episode import EpisodeCodec, run_episodes
+    from rollwise.generate.groups import new_groups
+    from rollwise.types import Prompt
+
+    class OneCallAtATime:
+        """The torch engine behind the bare contract (no feed), counting its calls."""
+
+        caps = EngineCaps(continue_aborted=True)
+
+        def __init__(self, engine):
+            self.engine, self.calls = engine, 0
+
+        def generate(self, requests, on_finish=None):
+            self.calls += 1
+            return self.engine.generate(requests, on_finish=on_finish)
+
+        def abort(self, request_ids):
+            self.engine.abort(request_ids)
+
+    class TwoTurns:
+        name, max_turns, stop = "two", 2, tuple("etaoinshrdlu 0123456789")  # a turn ends at almost any token
+
+        def reset(self, prompt):
+            return {}
+
+        def step(self, state, text):
+            return StepResult(messages=[{"role": "tool", "content": "again"}])
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    engine = OneCallAtATime(TorchEngine(model, tok))
+    prompt = Prompt("p", [{"role": "user", "content": "hi"}])
+    groups = new_groups([(prompt, tok("hi", add_special_tokens=False).input_ids)], 3, 0)
+    run_episodes(engine, groups, SamplingParams(max_new_tokens=16), count(), TwoTurns(), EpisodeCodec(tok))
+    turns = [s.episode.assistant_turns for s in groups[0].samples]
+    assert engine.calls == max(turns) == 2
+
+
 def test_a_class_redefining_caps_declares_its_own_abilities():
     """A subclass that adds optional methods (vLLM server: reload_from) must not inherit its parent's caps."""
     from rollwise.generate.http_engine import OpenAIEngine, _ServerEngine

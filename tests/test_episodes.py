@@ -13,8 +13,8 @@ from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 from rollwise.data.prompts import encode_prompt
 from rollwise.envs.base import StepResult
-from rollwise.envs.episode import (EpisodeCodec, episode_metrics, final_text, finish_turn, run_episodes, start_episode,
-                                   transcript)
+from rollwise.envs.episode import (EpisodeCodec, TurnSchedule, episode_metrics, final_text, finish_turn, run_episodes,
+                                   start_episode, transcript)
 from rollwise.generate.groups import StopRule, new_groups
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.rewards import score_batch
@@ -52,7 +52,7 @@ class SpyEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, requests, on_finish=None):
+    def generate(self, requests, on_finish=None, **feed):
         self.requests += requests
 
         def record(result):
@@ -60,7 +60,25 @@ class SpyEngine:
             if on_finish is not None:
                 on_finish(result)
 
-        return self.engine.generate(requests, on_finish=record)
+        if feed.get("feed") is not None:  # the next turns of a continuous call: record them as they come
+            feed["feed"] = RecordingFeed(feed["feed"], self.requests)
+        return self.engine.generate(requests, on_finish=record, **feed)
+
+
+class RecordingFeed:
+    """A feed that notes every request it hands the engine."""
+
+    def __init__(self, feed, seen):
+        self.feed, self.seen = feed, seen
+
+    @property
+    def done(self):
+        return self.feed.done
+
+    def take(self, idle):
+        out = self.feed.take(idle)
+        self.seen += out
+        return out
 
 
 @lru_cache(maxsize=None)
@@ -100,13 +118,15 @@ def test_codec_renders_the_template_suffix():
     assert codec.closing_ids([5, 6]) == codec.closer_ids
 
 
-@pytest.mark.parametrize("tokenizer_name", ["tiny", "embedded"])
-def test_episode_ids_are_what_the_engine_generated_plus_rendered_messages(tokenizer_name):
+@pytest.mark.parametrize("tokenizer_name, kind", [("tiny", "continuous"), ("tiny", "asap"), ("tiny", "rounds"),
+                                                  ("embedded", "continuous")])
+def test_episode_ids_are_what_the_engine_generated_plus_rendered_messages(tokenizer_name, kind):
     model, tok = policy(tokenizer_name)
     spy = SpyEngine(TorchEngine(model, tok, seed=1))
     codec = EpisodeCodec(tok)
     groups = new_groups(encoded(tok), 2, 0)
-    run_episodes(spy, groups, SamplingParams(max_new_tokens=12), count(), EchoEnv(), codec, max_episode_tokens=400)
+    run_episodes(spy, groups, SamplingParams(max_new_tokens=12), count(), EchoEnv(), codec, max_episode_tokens=400,
+                 schedule=TurnSchedule(kind))
     by_id = {}
     for req, res in zip(spy.requests, spy.results):
         by_id[res.request_id] = res
@@ -156,7 +176,9 @@ def test_a_retokenisation_difference_is_counted_not_trained():
     assert episode_metrics([sample])["episode/retokenize_mismatch"] == 1.0
 
 
-def test_aborted_episodes_continue_mid_turn_under_the_next_version():
+@pytest.mark.parametrize("schedule", [TurnSchedule("rounds"), TurnSchedule("continuous", lag_steps=2)],
+                         ids=["rounds", "continuous"])
+def test_aborted_episodes_continue_mid_turn_under_the_next_version(schedule):
     model, tok = policy("tiny")
     engine = TorchEngine(model, tok, seed=2)
     codec = EpisodeCodec(tok)
@@ -164,13 +186,14 @@ def test_aborted_episodes_continue_mid_turn_under_the_next_version():
     groups = new_groups(encoded(tok), 4, 0)
     ids = count()
     stats = run_episodes(engine, groups, SamplingParams(max_new_tokens=16), ids, env, codec,
-                         stop=StopRule(after_groups=1), max_episode_tokens=400)
+                         stop=StopRule(after_groups=1), max_episode_tokens=400, schedule=schedule)
     aborted = [s for g in groups for s in g.samples if s.status == Status.ABORTED]
     assert stats.aborted == len(aborted) > 0
     carried = pickle.loads(pickle.dumps(groups))  # partial rollouts carry episodes across steps and checkpoints
     engine.version = 1
     before = {id(s): (list(s.response_ids), list(s.loss_mask)) for g in carried for s in g.samples}
-    run_episodes(engine, carried, SamplingParams(max_new_tokens=16), ids, env, codec, max_episode_tokens=400)
+    run_episodes(engine, carried, SamplingParams(max_new_tokens=16), ids, env, codec, max_episode_tokens=400,
+                 schedule=schedule)
     continued = 0
     for g in carried:
         for s in g.samples:

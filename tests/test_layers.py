@@ -22,8 +22,8 @@ LAYERS: dict[int, tuple[str, ...]] = {
     1: ("algo",),
     2: ("models", "sandbox", "metrics", "perf"),
     3: ("data", "rewards", "generate", "train", "envs", "filter"),
-    4: ("sync", "cluster", "rollout", "distill", "methods", "serve.client"),
-    5: ("control", "replay", "evaluate", "advantages"),
+    4: ("sync", "cluster", "rollout", "distill", "methods", "serve.client", "agents"),
+    5: ("control", "replay", "evaluate", "advantages", "early_stop"),
     6: ("build", "session", "validate", "names", "record"),
     7: ("loop", "cli", "evaluate_cli", "interrupt", "serve"),
 }

@@ -40,6 +40,8 @@ EXPECTED = {
     "opd": ["distill/teacher_kl", "teacher/tokens"],
     "opsd": ["distill/teacher_kl", "distill/gap_mean"],
     "sft_then_grpo": ["stage/index"],
+    "dcmdp": ["mismatch/lambda", "mismatch/discrepancy"],
+    "acrl": ["mismatch/acrl_threshold", "mismatch/acrl_masked_frac"],
 }
 
 

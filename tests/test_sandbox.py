@@ -264,7 +264,9 @@ def test_cpu_loop_is_stopped_at_the_cpu_limit(backend):
     limits = Limits(cpu_s=1, wall_s=5)
     result = run("while True:\n    pass\n", limits=limits, backend=backend)
     assert (result.killed_by, result.exit_code, result.timed_out) == ("cpu", -24, False), result  # SIGXCPU
-    assert 0.9 < result.cpu_s < 2.1 and result.wall_s < 3.5
+    # wait4's rusage can undercount against the kernel's RLIMIT_CPU clock on a loaded VM: 0.80 s was measured
+    # with SIGXCPU at the 1 s limit while other jobs ran
+    assert 0.5 < result.cpu_s < 2.1 and result.wall_s < 3.5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

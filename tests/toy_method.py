@@ -24,7 +24,7 @@ class SharpenTerms(PolicyTerms):
     def start(self) -> None:
         self.sums = [0.0, 0.0]
 
-    def extra_loss(self, logp, hidden, head, mb, aggregate) -> torch.Tensor:
+    def extra_loss(self, logp, hidden, head, mb, aggregate, entropy=None) -> torch.Tensor:
         rows = torch.tensor([[1.0] if id(s) in self.correct else [0.0] for s in mb.samples])  # [S, 1]
         mask = mb.loss_mask * rows  # [S, T]
         self.sums[0] += float((-logp.detach() * mask).sum())

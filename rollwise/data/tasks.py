@@ -19,7 +19,7 @@ from importlib import resources
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from rollwise.config import DataConfig
-from rollwise.registry import Registry
+from rollwise.registry import Registry, load_dotted
 from rollwise.types import Prompt
 
 EVAL_SEED = 1_000_003  # fixed: the held-out split is the same whatever the training seed
@@ -49,6 +49,22 @@ TASKS: Registry[TaskFactory] = Registry("task")
 TASKS.register_lazy("calc", "rollwise.envs.calc:calc_task")
 TASKS.register_lazy("lookup", "rollwise.envs.lookup:lookup_task")
 TASKS.register_lazy("pyexec", "rollwise.envs.pyexec:pyexec_task")
+# Task families: 'FAMILY:NAME' is task NAME of a family whose factory reads NAME from data.task (imported on first
+# use). A family's name shadows a plugin module of the same name.
+TASK_FAMILIES: dict[str, str] = {"reasoning_gym": "rollwise.data.reasoning_gym:reasoning_gym_task",
+                                 "verifiers": "rollwise.agents.vf_env:verifiers_task"}  # verifiers v1 environments
+
+
+def task_family(name: str) -> str | None:
+    """The family of task `name` ('reasoning_gym:chain_sum' -> 'reasoning_gym'); None for any other task."""
+    family, sep, _ = name.partition(":")
+    return family if sep and family in TASK_FAMILIES else None
+
+
+def task_factory(name: str) -> TaskFactory:
+    """The factory of task `name`: a family member, a registered task or a plugin 'pkg.mod:fn'."""
+    family = task_family(name)
+    return load_dotted(TASK_FAMILIES[family]) if family else TASKS.get(name)
 
 
 def user_prompt(uid: str, text: str, answer: str, source: str, info: dict[str, Any]) -> Prompt:

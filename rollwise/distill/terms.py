@@ -175,7 +175,7 @@ class StepTerms:
         return adv
 
     def extra_loss(self, logp: torch.Tensor, hidden: torch.Tensor | None, head: torch.Tensor, mb: MicroBatch,
-                   aggregate) -> torch.Tensor:
+                   aggregate, entropy: torch.Tensor | None = None) -> torch.Tensor:
         """GKD and SFT loss terms of one micro-batch (a 0-d tensor, 0.0 when neither applies).
 
         `logp [S, T]` the policy's log-probs (with gradient); `hidden [n, H]` its final hidden states at the valid

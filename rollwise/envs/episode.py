@@ -1,224 +1,77 @@
-"""Multi-turn episodes in the Generate stage, token-exact.
+"""Multi-turn episodes in the Generate stage, token-exact, with environment steps off the decode loop.
 
-An episode is one `Sample` whose response holds every turn after the prompt:
+An episode is one `Sample` whose response holds every turn after the prompt (`rollwise.envs.turns`: the
+engine's tokens kept exactly, the environment's messages rendered with the chat template at loss mask 0;
+`episode/retokenize_mismatch` counts what a re-tokenising pipeline would have changed).
 
-    prompt_ids | assistant turn 1 | closer + tool message + assistant header | assistant turn 2 | ...
-    loss_mask:      1 ... 1        |        0 ... 0                          |      1 ... 1
+How turns reach the engine (`TurnSchedule`, `[env]` schedule / workers / lag_steps):
 
-- Each assistant turn is one engine request that continues from the episode's token ids
-  (`prompt_ids + response_ids[:turn_start]`); its tokens, behaviour log-probs and version spans are kept exactly
-  as the engine returned them. Nothing generated is ever decoded and encoded again.
-- What the environment adds is rendered as token ids with the chat template (`EpisodeCodec`): the template's
-  turn closer (minus what the policy already generated, e.g. its EOS), then the new messages and the next
-  assistant header, as the text the template adds after a fixed prefix. These tokens have loss mask 0 and
-  log-prob 0.0 (a placeholder that every loss multiplies by the mask; never a ratio input).
-- `episode/retokenize_mismatch` counts episodes whose ids differ from encoding the canonical render of the
-  transcript (what a re-tokenising pipeline would train on); it is a report, ours are the sampled ids.
-- Partial rollouts: an aborted turn keeps its tokens and continues in a later call; an episode stopped between
-  turns resumes at its next turn. `StopRule` works as in `rollwise.rollout.run_groups`.
+- `continuous` (engines with `caps.request_feed`; the default): `env.step` runs in a thread pool of
+  `workers` threads while the engine keeps decoding, and the episode's next turn joins the running batch
+  (continuous batching across turns, `rollwise.generate.feed`). Its result joins exactly `lag_steps` engine
+  steps after the turn ended; a tool slower than that makes the engine wait for it there (`episode/stall_s`).
+  Everything that decides the batch (when a turn joins, which groups complete first, what a StopRule aborts)
+  is a function of the engine's steps, not of wall time, so a seed reproduces the run.
+- `asap`: the same, but a turn joins as soon as its tool returns: the engine never waits for a tool, and the
+  batch composition, hence the tokens sampled from the engine's one RNG stream and which groups a StopRule
+  lets finish, depend on how long the tools took: not reproducible run to run.
+- `rounds` (engines without a feed, or forced): every unfinished episode's turn goes to the engine in one
+  `generate` call and each `env.step` runs in the engine's finish callback, in its thread: a slow tool holds
+  up every sequence of the batch and turns advance in lockstep. The path before the feed existed.
 
-Turns run in rounds: every active episode's next turn goes to the engine in one `generate` call, then every
-environment steps. Status between rounds is PENDING; an episode left unfinished by a StopRule is ABORTED.
+Partial rollouts: an aborted turn keeps its tokens and continues in a later call; an episode stopped between
+turns resumes at its next turn. `StopRule` works as in `rollwise.rollout.run_groups`. Status between turns is
+PENDING; an episode left unfinished when a call returns is ABORTED.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
-from dataclasses import dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from itertools import count
-from typing import Any
 
-from rollwise.data.prompts import render_chat, with_system
-from rollwise.envs.base import Env, EnvError
+from rollwise.envs.base import Env
+from rollwise.envs.turns import (NO_ANSWER, EnvOutcome, EpisodeCodec, EpisodeState, append_env_tokens, apply_step,
+                                 end_episode, end_turn, finish_turn, merge_turn, start_episode, step_env,
+                                 turn_request)
+from rollwise.generate.feed import WAIT_S
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete
 from rollwise.types import GenerationRequest, GenerationResult, Group, Message, Sample, SamplingParams, Status
 
-_PROBE = [{"role": "user", "content": "rollwise-probe-user"}, {"role": "assistant", "content": "rollwise-probe-reply"}]
+__all__ = ["NO_ANSWER", "EpisodeCodec", "EpisodeState", "TurnSchedule", "append_env_tokens", "apply_step",
+           "end_episode", "end_turn", "episode_metrics", "final_text", "finish_turn", "merge_turn", "run_episodes",
+           "start_episode", "step_env", "transcript", "turn_request"]
+
+SCHEDULES = ("continuous", "asap", "rounds")
 
 
-@dataclass
-class EpisodeState:
-    """What an episode carries between turns (pickles with the sample)."""
+@dataclass(frozen=True)
+class TurnSchedule:
+    """How turns reach the engine (see the module docstring): `kind` continuous | asap | rounds, `workers`
+    threads stepping environments, `lag_steps` engine steps between a turn's end and its next turn joining
+    (continuous)."""
 
-    env_state: Any
-    messages: list[Message]  # the transcript: the prompt's messages (system turn included), then every
-    # assistant and env message; the first `prompt_messages` are the prompt's
-    prompt_messages: int = 0
-    turn_start: int = 0  # response position where the current assistant turn begins
-    assistant_turns: int = 0
-    parts: dict[str, float] = field(default_factory=dict)  # the env's reward parts, summed over turns
-    turn_parts: list[dict[str, float]] = field(default_factory=list)  # the same, per assistant turn
-    parse_failures: int = 0
-    # wall times (seconds) are left out of repr and ==: two identical episodes differ only in them
-    tool_s: float = field(default=0.0, repr=False, compare=False)
-    sandbox_s: float = field(default=0.0, repr=False, compare=False)
-    env_s: float = field(default=0.0, repr=False, compare=False)  # time in env.step (tools included)
-    ended_by: str = ""  # "answer" | "turn_limit" | "token_limit" | "truncated"
-    final_text: str = ""
-    retokenize_mismatch: bool | None = None
-    error: str | None = None  # the environment raised: the sample is marked failed when scored
+    kind: str = "continuous"
+    workers: int = 8
+    lag_steps: int = 4
 
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULES or self.workers < 1 or self.lag_steps < 0:
+            raise ValueError(f"TurnSchedule: kind in {SCHEDULES}, workers >= 1, lag_steps >= 0; got {self}")
 
-class EpisodeCodec:
-    """Token ids of what the chat template puts between turns, and the canonical render for the mismatch count.
-
-    `tokenizer`: a HF tokenizer (its chat template, adapted as `rollwise.data.prompts.render_chat` says: a
-    system turn folded into the first user turn, tool results as user turns where the template has no such
-    role, plain lines without a template); `system_prompt`: as the prompt encoder used it."""
-
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.system_prompt = system_prompt
-        self._base = self._render(_PROBE, generation_prompt=False)
-        reply = _PROBE[-1]["content"]
-        self.closer_ids = self.encode(self._base[self._base.rindex(reply) + len(reply):])
-        self._blocks: dict[tuple, list[int]] = {}
-
-    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return render_chat(self.tokenizer, messages, generation_prompt)
-
-    def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def closing_ids(self, turn_ids: list[int]) -> list[int]:
-        """The template's end of an assistant message, minus the part the turn already generated (its EOS)."""
-        closer = self.closer_ids
-        for k in range(min(len(closer), len(turn_ids)), 0, -1):
-            if turn_ids[-k:] == closer[:k]:
-                return closer[k:]
-        return list(closer)
-
-    def message_ids(self, messages: list[Message]) -> list[int]:
-        """`messages` and the next assistant header, as the template renders them after earlier turns."""
-        key = tuple((m["role"], m["content"]) for m in messages)
-        if key not in self._blocks:
-            full = self._render(_PROBE + list(messages), generation_prompt=True)
-            if not full.startswith(self._base):
-                raise EnvError("the chat template renders earlier turns differently once a message follows them; "
-                               "episodes need a template whose render of a conversation extends its prefix")
-            self._blocks = {} if len(self._blocks) > 4096 else self._blocks
-            self._blocks[key] = self.encode(full[len(self._base):])
-        return list(self._blocks[key])
-
-    def canonical_ids(self, messages: list[Message]) -> list[int]:
-        """The transcript rendered and tokenised as a whole (what re-tokenising pipelines train on)."""
-        return self.encode(self._render(with_system(messages, self.system_prompt), generation_prompt=False))
-
-
-def start_episode(sample: Sample, env: Env, system_prompt: str | None = None) -> None:
-    messages = [dict(m) for m in with_system(sample.prompt.messages, system_prompt)]
-    sample.episode = EpisodeState(env_state=env.reset(sample.prompt), messages=messages, prompt_messages=len(messages))
-    sample.response_ids, sample.behaviour_logprobs, sample.full_logprobs, sample.loss_mask = [], [], [], []
-    sample.version_spans, sample.turns, sample.tool_calls = [], [], []
-
-
-def turn_request(sample: Sample, params: SamplingParams, request_id: int, max_episode_tokens: int) -> GenerationRequest:
-    """The engine request of the sample's current assistant turn (continuing an aborted one)."""
-    start = sample.episode.turn_start
-    budget = min(params.max_new_tokens, max_episode_tokens - start)
-    return GenerationRequest(
-        request_id, sample.prompt_ids + sample.response_ids[:start], replace(params, max_new_tokens=budget),
-        response_ids=sample.response_ids[start:], response_logprobs=sample.behaviour_logprobs[start:],
-        response_full_logprobs=sample.full_logprobs[start:])
-
-
-def merge_turn(sample: Sample, result: GenerationResult) -> list[int]:
-    """Take the engine's tokens of the current turn into the sample; returns the turn's ids."""
-    start = sample.episode.turn_start
-    earlier = sample.response_ids[start:]
-    full = list(result.full_logprobs if len(result.full_logprobs) == len(result.response_ids) else result.logprobs)
-    known = sample.full_logprobs[start:]
-    if earlier and len(known) == len(earlier) and result.response_ids[:len(earlier)] == earlier:
-        full[:len(earlier)] = known
-    n = len(result.response_ids)
-    sample.response_ids = sample.response_ids[:start] + list(result.response_ids)
-    sample.behaviour_logprobs = sample.behaviour_logprobs[:start] + list(result.logprobs)
-    sample.full_logprobs = sample.full_logprobs[:start] + full
-    sample.loss_mask = sample.loss_mask[:start] + [1] * n
-    sample.version_spans = sample.version_spans + [(start + a, start + b, v) for a, b, v in result.version_spans]
-    return list(result.response_ids)
-
-
-def append_env_tokens(sample: Sample, ids: list[int], role: str) -> None:
-    """Tokens the policy did not sample: loss mask 0, log-prob placeholder 0.0, a turn of `role`."""
-    if not ids:
-        return
-    start = len(sample.response_ids)
-    sample.response_ids = sample.response_ids + list(ids)
-    sample.behaviour_logprobs = sample.behaviour_logprobs + [0.0] * len(ids)
-    sample.full_logprobs = sample.full_logprobs + [0.0] * len(ids)
-    sample.loss_mask = sample.loss_mask + [0] * len(ids)
-    sample.turns.append((start, start + len(ids), role))
-
-
-NO_ANSWER = ("turn_limit", "token_limit")  # the policy was still calling tools when the episode was cut
-
-
-def end_episode(sample: Sample, codec: EpisodeCodec, ended_by: str, status: Status) -> None:
-    """Finish the episode. `response_text` (what outcome rewards score) is the final assistant message; an
-    episode cut at the turn or token limit while the policy was still calling tools has NO answer (empty text),
-    so a policy cannot score by ending on a tool call that happens to contain the answer."""
-    ep = sample.episode
-    ep.ended_by = ended_by
-    sample.status = status
-    sample.response_text = "" if ended_by in NO_ANSWER else ep.final_text
-    canonical = codec.canonical_ids(ep.messages)
-    ours = sample.prompt_ids + sample.response_ids
-    if len(ours) > len(canonical) and ours[-1] == codec.tokenizer.eos_token_id:
-        ours = ours[:-1]  # the final EOS, where the render closes no message with one (no template: plain text)
-    ep.retokenize_mismatch = canonical[:len(ours)] != ours
-
-
-def finish_turn(sample: Sample, result: GenerationResult, env: Env, codec: EpisodeCodec,
-                max_episode_tokens: int) -> None:
-    """Merge a finished (or aborted) turn; step the environment; append its messages or end the episode."""
-    ep = sample.episode
-    start = ep.turn_start
-    turn_ids = merge_turn(sample, result)
-    if result.status == Status.ABORTED:
-        sample.status = Status.ABORTED
-        return
-    sample.turns.append((start, start + len(turn_ids), "assistant"))
-    ep.assistant_turns += 1
-    text = codec.decode(turn_ids)
-    ep.final_text = text
-    ep.messages.append({"role": "assistant", "content": text})
-    if result.status == Status.TRUNCATED:
-        return end_episode(sample, codec, "truncated", Status.TRUNCATED)
-    began = time.perf_counter()
-    try:
-        step = env.step(ep.env_state, text)
-    except Exception as exc:  # counted: the sample fails when scored, and persistent failures stop the run
-        ep.error = f"env {getattr(env, 'name', type(env).__name__)!r} step {ep.assistant_turns} failed: " \
-                   f"{type(exc).__name__}: {exc}"
-        return end_episode(sample, codec, "env_error", Status.COMPLETED)
-    ep.env_s += time.perf_counter() - began
-    ep.turn_parts.append({k: float(v) for k, v in step.reward_parts.items()})
-    for key, value in step.reward_parts.items():
-        ep.parts[key] = ep.parts.get(key, 0.0) + float(value)
-    ep.parse_failures += step.parse_failures
-    sample.tool_calls = sample.tool_calls + list(step.tool_calls)
-    ep.tool_s += sum(c.wall_s for c in step.tool_calls)
-    ep.sandbox_s += sum(c.sandbox_s for c in step.tool_calls)
-    if step.done or not step.messages:
-        return end_episode(sample, codec, "answer", Status.COMPLETED)
-    if ep.assistant_turns >= env.max_turns:
-        return end_episode(sample, codec, "turn_limit", Status.COMPLETED)
-    append_env_tokens(sample, codec.closing_ids(turn_ids), "template")
-    append_env_tokens(sample, codec.message_ids(step.messages), step.messages[0]["role"])
-    ep.messages.extend(dict(m) for m in step.messages)
-    ep.turn_start = len(sample.response_ids)
-    if ep.turn_start >= max_episode_tokens:
-        return end_episode(sample, codec, "token_limit", Status.TRUNCATED)
-    sample.status = Status.PENDING
+    @classmethod
+    def from_config(cls, cfg) -> TurnSchedule:
+        """From an `EnvConfig` (`env.schedule`, `env.workers`, `env.lag_steps`)."""
+        return cls(cfg.schedule, cfg.workers, cfg.lag_steps)
 
 
 def run_episodes(engine, groups: list[Group], params: SamplingParams, ids: count, env: Env, codec: EpisodeCodec,
-                 stop: StopRule | None = None, max_episode_tokens: int = 512) -> GenerateStats:
-    """Run every unfinished sample of `groups` as an episode (in place), turn by turn in rounds.
+                 stop: StopRule | None = None, max_episode_tokens: int = 512,
+                 schedule: TurnSchedule = TurnSchedule()) -> GenerateStats:
+    """Run every unfinished sample of `groups` as an episode (in place), turns scheduled by `schedule` (rounds
+    on an engine without `caps.request_feed`).
 
     `params.max_new_tokens` bounds one assistant turn; `max_episode_tokens` everything after the prompt.
     With `stop`, once `stop.after_groups` groups are complete the rest are aborted (those in `stop.keep` run on).
@@ -230,39 +83,154 @@ def run_episodes(engine, groups: list[Group], params: SamplingParams, ids: count
             start_episode(s, env, codec.system_prompt)
         s.status = Status.PENDING if s.status == Status.ABORTED else s.status  # continue it in this call
     turn_params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *env.stop))))
-    group_of = {id(s): g for g in groups for s in g.samples}
-    done = {id(g) for g in groups if is_complete(g)}
-    stats = GenerateStats()
-    stopped = False
-    while True:
-        # PENDING: a new episode, a continued one or one whose env answered; a turn aborted in this call stays
-        todo = [s for s in samples if s.status == Status.PENDING and (not stopped or s.group_id in stop.keep)]
-        if not todo:
-            break
-        sample_of = {}
-        for s in todo:
-            sample_of[next(ids)] = s
-        requests = [turn_request(s, turn_params, rid, max_episode_tokens) for rid, s in sample_of.items()]
-
-        def on_finish(result: GenerationResult) -> None:
-            nonlocal stopped
-            sample = sample_of[result.request_id]
-            finish_turn(sample, result, env, codec, max_episode_tokens)
-            if is_complete(group_of[id(sample)]):
-                done.add(id(group_of[id(sample)]))
-            if stop is not None and not stopped and len(done) >= stop.after_groups:
-                stopped = True
-                engine.abort([rid for rid, s in sample_of.items()
-                              if s.status not in FINAL and s.group_id not in stop.keep])
-
-        engine.generate(requests, on_finish=on_finish)
-        stats.requests += len(requests)
+    turns = _Turns(engine, groups, samples, turn_params, ids, env, codec, stop, max_episode_tokens)
+    if schedule.kind != "rounds" and engine.caps.request_feed:
+        turns.continuous(schedule)
+    else:
+        turns.rounds()
     for s in samples:
         if s.status == Status.PENDING:  # stopped between turns: continues at its next turn
             s.status = Status.ABORTED
-    stats.aborted = sum(s.status == Status.ABORTED for s in samples)
-    stats.groups_completed = len(done)
-    return stats
+    return GenerateStats(turns.requests, sum(s.status == Status.ABORTED for s in samples), len(turns.done))
+
+
+class _Turns:
+    """The bookkeeping of one `run_episodes` call. Every method runs on the thread that runs the engine's loop
+    (its finish callbacks, the feed's `take`); worker threads run `step_env` only."""
+
+    def __init__(self, engine, groups, samples, params, ids, env, codec, stop, max_episode_tokens) -> None:
+        self.engine, self.samples, self.params, self.ids = engine, samples, params, ids
+        self.env, self.codec, self.stop, self.max_episode_tokens = env, codec, stop, max_episode_tokens
+        self.group_of = {id(s): g for g in groups for s in g.samples}
+        self.done = {id(g) for g in groups if is_complete(g)}
+        self.stopped = False
+        self.running: dict[int, Sample] = {}  # request id -> its episode, while the engine holds the request
+        self.requests = 0
+
+    def wanted(self, sample: Sample) -> bool:
+        """The episode has a next turn to run in this call."""
+        return sample.status == Status.PENDING and (not self.stopped or sample.group_id in self.stop.keep)
+
+    def request(self, sample: Sample) -> GenerationRequest:
+        rid = next(self.ids)
+        self.running[rid] = sample
+        self.requests += 1
+        return turn_request(sample, self.params, rid, self.max_episode_tokens)
+
+    def observe(self, sample: Sample) -> None:
+        """After any change to `sample`: count its group when complete; apply the StopRule."""
+        group = self.group_of[id(sample)]
+        if is_complete(group):
+            self.done.add(id(group))
+        if self.stop is not None and not self.stopped and len(self.done) >= self.stop.after_groups:
+            self.stopped = True
+            self.engine.abort([rid for rid, s in self.running.items() if s.group_id not in self.stop.keep])
+
+    # -- rounds: one generate call per turn, env steps in the finish callback ----------------------------
+    def rounds(self) -> None:
+        while True:
+            todo = [s for s in self.samples if self.wanted(s)]
+            if not todo:
+                return
+            self.engine.generate([self.request(s) for s in todo], on_finish=self._finish_inline)
+
+    def _finish_inline(self, result: GenerationResult) -> None:
+        sample = self.running.pop(result.request_id)
+        text = end_turn(sample, result, self.codec)
+        if text is not None:
+            outcome = step_env(self.env, sample.episode.env_state, text)
+            sample.episode.stall_s += outcome.seconds  # the engine's loop waits for the step
+            apply_step(sample, outcome, self.env, self.codec, self.max_episode_tokens)
+        self.observe(sample)
+
+    # -- continuous: one generate call, next turns fed in ------------------------------------------------
+    def continuous(self, schedule: TurnSchedule) -> None:
+        todo = [s for s in self.samples if self.wanted(s)]
+        if not todo:
+            return
+        pool = ThreadPoolExecutor(schedule.workers, thread_name_prefix="rollwise-env")
+        feed = _EpisodeFeed(self, pool, schedule, outstanding=len(todo))
+        try:
+            self.engine.generate([self.request(s) for s in todo], on_finish=feed.on_finish, feed=feed)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # a failed call leaves no env step running
+
+
+@dataclass
+class _Step:
+    """An env step in the pool: whose, and the engine step at which its answer joins (continuous)."""
+
+    sample: Sample
+    future: concurrent.futures.Future
+    due: int
+
+
+class _EpisodeFeed:
+    """The `Feed` of a continuous call (rollwise.generate.feed): finished turns go to the pool, answered ones
+    come back as next-turn requests at their due step (`continuous`) or as soon as they are ready (`asap`)."""
+
+    def __init__(self, turns: _Turns, pool: ThreadPoolExecutor, schedule: TurnSchedule, outstanding: int) -> None:
+        self.turns, self.pool = turns, pool
+        self.lag, self.asap = schedule.lag_steps, schedule.kind == "asap"
+        self.pending: list[_Step] = []  # in dispatch order, hence in order of `due`
+        self.outstanding = outstanding  # episodes with a turn in the engine or a step in the pool
+        self.clock = 0  # engine steps of this call (the engine's `take` calls while it has work)
+
+    @property
+    def done(self) -> bool:
+        return self.outstanding == 0
+
+    def on_finish(self, result: GenerationResult) -> None:
+        t = self.turns
+        sample = t.running.pop(result.request_id)
+        text = end_turn(sample, result, t.codec)
+        if text is None:  # aborted (continues in a later call) or truncated (ended)
+            self.outstanding -= 1
+        else:
+            future = self.pool.submit(step_env, t.env, sample.episode.env_state, text)
+            self.pending.append(_Step(sample, future, self.clock + self.lag))
+        t.observe(sample)
+
+    def take(self, idle: bool) -> list[GenerationRequest]:
+        """The next turns to admit now: answered env steps that are due (see the module docstring)."""
+        if not idle:
+            self.clock += 1
+        elif self.pending and not self.asap:  # nothing to decode: the next due step is now
+            self.clock = max(self.clock, self.pending[0].due)
+        if self.asap:
+            if idle and self.pending:  # nothing to decode: wait for the first answer (in slices, for Ctrl-C)
+                concurrent.futures.wait([p.future for p in self.pending], WAIT_S, concurrent.futures.FIRST_COMPLETED)
+            ready = [p for p in self.pending if p.future.done()]
+        else:
+            ready = [p for p in self.pending if p.due <= self.clock]
+        if not ready:
+            return []
+        taken = {id(p) for p in ready}
+        self.pending = [p for p in self.pending if id(p) not in taken]
+        return [r for r in (self._answer(p, idle) for p in ready) if r is not None]
+
+    def _answer(self, step: _Step, idle: bool) -> GenerationRequest | None:
+        """Take one env step's answer (waiting for it if need be); the episode's next request, if any."""
+        t, sample = self.turns, step.sample
+        began = time.perf_counter()
+        outcome: EnvOutcome = _result(step.future)
+        if not idle:
+            sample.episode.stall_s += time.perf_counter() - began
+        apply_step(sample, outcome, t.env, t.codec, t.max_episode_tokens)
+        t.observe(sample)
+        if t.wanted(sample):
+            return t.request(sample)
+        self.outstanding -= 1
+        return None
+
+
+def _result(future: concurrent.futures.Future) -> EnvOutcome:
+    """The future's result, waiting in short slices (a Ctrl-C in the engine's thread gets through)."""
+    while True:
+        try:
+            return future.result(timeout=WAIT_S)
+        except concurrent.futures.TimeoutError:
+            continue
 
 
 def transcript(sample: Sample) -> list[Message]:
@@ -296,6 +264,8 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "episode/tool_s": float(sum(s.episode.tool_s for s in eps)),
         "episode/sandbox_s": float(sum(s.episode.sandbox_s for s in eps)),
         "episode/env_s": float(sum(s.episode.env_s for s in eps)),
+        # absent from episodes pickled before it existed (carried over in a checkpoint)
+        "episode/stall_s": float(sum(getattr(s.episode, "stall_s", 0.0) for s in eps)),
         "episode/tokens_mean": mean(len(s.response_ids) for s in eps),
         "episode/policy_tokens_mean": mean(sum(s.loss_mask) for s in eps),
         "episode/retokenize_mismatch": mean(bool(s.episode.retokenize_mismatch) for s in eps),

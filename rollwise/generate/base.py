@@ -35,6 +35,10 @@ class EngineCaps:
         uploaded weights are checked against its parameters).
     tensors: `update_weights` is its cheap path (an in-process copy, or Ray's object store): the `tensors`
         transport, and what `auto` picks.
+    request_feed: `generate(requests, on_finish, feed=...)` also runs the requests a `rollwise.generate.feed.Feed`
+        hands it while the call runs, in free slots of the running batch (continuous batching across the turns
+        of multi-turn episodes); results of fed requests reach `on_finish` only. Engines without it run
+        episodes in rounds, one `generate` call per turn.
     """
 
     probe_logprobs: bool = False
@@ -44,6 +48,7 @@ class EngineCaps:
     rng_state: bool = False
     local_model: bool = False
     tensors: bool = False
+    request_feed: bool = False
 
 
 # the methods each capability brings (the others are behaviours or attributes)
@@ -72,7 +77,8 @@ class Engine(Protocol):
 
     def generate(self, requests: list[GenerationRequest], on_finish=None) -> list[GenerationResult]:
         """Run the requests to completion (or abort); results in request order. `on_finish(result)`, when
-        given, is called as each request finishes and may call `abort` on the others."""
+        given, is called as each request finishes and may call `abort` on the others. Only when
+        caps.request_feed: a keyword `feed` (rollwise.generate.feed) adds requests while the call runs."""
         ...
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

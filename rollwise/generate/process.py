@@ -12,6 +12,9 @@ copy of the weights; nothing about the parent's model is read from disk:
 
 Work is sent as tickets (a list of `GenerationRequest`) on a request queue and handled FIFO; each finished
 ticket comes back as a `TicketResult` on a result queue. A ticket may wait for a minimum weight version.
+Multi-turn episodes run in the child too (`episodes=`: a recipe the child builds its environment from, e.g.
+`rollwise.rollout.EpisodeRecipe`): an `EpisodeJob` ticket carries groups and comes back with their episodes,
+so environment steps and their tools run beside the child's engine, not in the trainer's process.
 
 Shutdown: the parent owns it (`close`, the context manager, an atexit hook). The child ignores SIGINT (a Ctrl-C
 in a terminal reaches the whole process group), exits by itself when the parent dies (a watchdog thread), and
@@ -26,6 +29,7 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
+import itertools
 import os
 import queue
 import signal
@@ -40,6 +44,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
+from rollwise.errors import UserError
 from rollwise.types import GenerationRequest, GenerationResult
 
 _POLL_S = 0.05  # queue polls (liveness, stop event)
@@ -53,6 +58,10 @@ class GenerationProcessError(RuntimeError):
     """The generation child failed or died; the message carries its traceback or exit code."""
 
 
+class GenerationSetupError(UserError, GenerationProcessError):
+    """The child could not build what the run asked of it (e.g. its environment): one line saying what."""
+
+
 @dataclass
 class TicketResult:
     """One finished ticket: results in request order, the weight version used, engine stats, the child's own
@@ -64,6 +73,17 @@ class TicketResult:
     stats: dict[str, Any]
     generate_s: float
     threads: int = 0
+    groups: list | None = None  # an EpisodeJob's groups, their samples run as episodes
+    job_stats: Any = None  # an EpisodeJob's GenerateStats
+
+
+@dataclass
+class EpisodeJob:
+    """A ticket of episodes: every unfinished sample of `groups` (rollwise.types.Group) runs as an episode with
+    `params`, by the runner the child built from its `episodes` recipe."""
+
+    groups: list
+    params: Any
 
 
 @dataclass
@@ -80,6 +100,7 @@ class _ChildSpec:
     seed: int
     threads: int
     device: str
+    episodes: Any = None  # a recipe with `build(tokenizer)` -> an object with `run(engine, groups, params, ids)`
 
 
 # -- the shared weight buffer ----------------------------------------------------------------------------
@@ -138,11 +159,14 @@ class GenerationProcess:
         device: where the child's engine runs (the shared buffer stays in CPU shared memory).
         start_timeout_s: how long to wait for the child to report ready.
         version: the policy version of `model`'s current weights (e.g. the step a run resumes from).
+        episodes: a picklable recipe (`build(tokenizer)` -> a runner with `run(engine, groups, params, ids)`)
+            that the child builds before it reports ready (so a failure to build stops the start), for
+            `submit_episodes`.
     """
 
     def __init__(self, model, tokenizer, *, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
                  seed: int = 0, threads: int = 1, device: str = "cpu", start_timeout_s: float = 300.0,
-                 version: int = 0):
+                 version: int = 0, episodes: Any = None):
         ctx = tmp.get_context("spawn")
         layout, self._aliases = weight_layout(model)
         total = sum(_numel(shape) for _, _, shape in layout)
@@ -153,6 +177,7 @@ class GenerationProcess:
         self._stop = ctx.Event()
         self._requests, self._results = ctx.Queue(), ctx.Queue()
         self.version = version
+        self.episodes = episodes
         self.pid = -1
         self._pending = 0
         self._closed = False
@@ -163,7 +188,7 @@ class GenerationProcess:
         config._attn_implementation = "sdpa"  # the engine's prefill and fallback decode use plain masks
         spec = _ChildSpec(config, getattr(model, "generation_config", None), tokenizer,
                           {n: b.detach().cpu() for n, b in model.named_buffers()}, layout, dtype,
-                          max_batch_size, seed, threads, str(device))
+                          max_batch_size, seed, threads, str(device), episodes)
         self._process = ctx.Process(target=_child_main, name="rollwise-generate", daemon=True,
                                     args=(spec, self._flat, self._lock, self._shared_version, self._stop,
                                           self._requests, self._results))
@@ -207,6 +232,15 @@ class GenerationProcess:
         self._check_open()
         self._raise_if_dead()
         self._requests.put((ticket, list(requests), int(min_version)))
+        self._pending += 1
+
+    def submit_episodes(self, ticket: int, groups: list, params, min_version: int = 0) -> None:
+        """Queue a ticket of episodes (see `EpisodeJob`); the process must have been started with `episodes`."""
+        if self.episodes is None:
+            raise ValueError("submit_episodes: this generation process was started without episodes=")
+        self._check_open()
+        self._raise_if_dead()
+        self._requests.put((ticket, EpisodeJob(groups, params), int(min_version)))
         self._pending += 1
 
     def receive(self, timeout: float | None = None) -> TicketResult:
@@ -272,7 +306,7 @@ class GenerationProcess:
             message = self._results.get(timeout=1.0)
         except (queue.Empty, OSError, EOFError, ValueError):
             message = None
-        if message is not None and message[0] == "error":
+        if message is not None and message[0] in ("error", "user_error"):
             self._fail(message)
         code = self._process.exitcode
         self.close()
@@ -284,6 +318,8 @@ class GenerationProcess:
         """The child sent ("error", traceback): reap it and raise."""
         self.close()
         kind, text = message[0], message[1] if len(message) > 1 else ""
+        if kind == "user_error":
+            raise GenerationSetupError(f"in the generation process: {text}")
         if kind != "error":
             text = f"unexpected message {message!r}"
         raise GenerationProcessError(f"the generation process failed:\n{text}")
@@ -326,12 +362,16 @@ def _child_main(spec: _ChildSpec, flat, lock, version, stop, requests, results) 
     try:
         _exit_when_parent_dies()
         engine, views = _build_engine(spec, flat, lock, version)
+        runner = spec.episodes.build(spec.tokenizer) if spec.episodes is not None else None
         if spec.device == "cpu":  # cache the matmul peak of these threads and dtype (the rollout MFU's), idle
             from rollwise.perf import matmul_peak_gflops
 
             matmul_peak_gflops(spec.dtype)
         results.put(("ready", os.getpid()))
-        _serve(engine, views, lock, version, stop, requests, results)
+        _serve(engine, runner, views, lock, version, stop, requests, results)
+    except UserError as exc:  # e.g. the environment cannot be built here: one line, what to change
+        results.put(("user_error", str(exc)))
+        raise SystemExit(1)
     except BaseException:
         results.put(("error", traceback.format_exc()))
         raise SystemExit(1)  # multiprocessing flushes the result queue, then exits with code 1
@@ -378,8 +418,10 @@ def _empty_model(spec: _ChildSpec):
     return model
 
 
-def _serve(engine, views, lock, version, stop, requests, results) -> None:
-    """Handle tickets FIFO until the sentinel, the stop event or the parent's death."""
+def _serve(engine, runner, views, lock, version, stop, requests, results) -> None:
+    """Handle tickets FIFO until the sentinel, the stop event or the parent's death; episode tickets with
+    `runner` (its request ids count on across tickets)."""
+    ids = itertools.count()
     while not stop.is_set() and _parent_alive():
         try:
             item = requests.get(timeout=_POLL_S)
@@ -395,10 +437,14 @@ def _serve(engine, views, lock, version, stop, requests, results) -> None:
                 engine.update_weights(views, version.value)
         engine.stats.reset()
         start = time.perf_counter()
-        out = engine.generate(reqs)
+        if isinstance(reqs, EpisodeJob):
+            job_stats = runner.run(engine, reqs.groups, reqs.params, ids)
+            out, groups = [], reqs.groups
+        else:
+            out, groups, job_stats = engine.generate(reqs), None, None
         seconds = time.perf_counter() - start
         results.put(("result", ticket, out, engine.version, dataclasses.asdict(engine.stats), seconds,
-                     torch.get_num_threads()))
+                     torch.get_num_threads(), groups, job_stats))
 
 
 def _wait_for_version(version, min_version: int, stop) -> bool:

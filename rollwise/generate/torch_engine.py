@@ -7,6 +7,8 @@
 - Sampling runs on fp32 logits and returns the behaviour log-probability of each token (after top-k / top-p)
   and its untruncated log-probability (same temperature), which is what the trainer computes.
 - A request can be aborted between tokens and continued later from its tokens (`response_ids`).
+- A `feed` (rollwise.generate.feed) adds requests while `generate` runs: they take free slots of the running
+  batch (the next turns of multi-turn episodes); the cache grows (slots, columns) when they need more room.
 
 The engine keeps its own copy of the weights (possibly in another dtype than the trainer's), updated
 through `update_weights`, as a remote engine would be.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from rollwise.generate.quantize import fake_quantize_
 from rollwise.generate.base import EngineCaps
 from rollwise.generate.fused_decode import FusedDecoder
 from rollwise.generate.sampling import sample_with_full_logprobs
@@ -80,13 +83,17 @@ class TorchEngine:
         seed: seed of the sampling generator (its state is saved with checkpoints).
         prefill_tokens: token budget of one prefill forward.
         fused: decode with `FusedDecoder` when the architecture supports it (else the model's own forward).
+        weight_quant: "int8" or "fp8" weight-only rollouts (`rollwise.generate.quantize`; `rollout.engine_options`).
     """
 
-    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, rng_state=True, local_model=True, tensors=True)
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, rng_state=True, local_model=True, tensors=True,
+                      request_feed=True)
 
     def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
-                 seed: int = 0, prefill_tokens: int = 4096, fused: bool = True):
+                 seed: int = 0, prefill_tokens: int = 4096, fused: bool = True, weight_quant: str | None = None):
         self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        self.weight_quant = weight_quant  # int8 / fp8 weight-only rollouts (rollwise.generate.quantize), or None
+        fake_quantize_(self.model, weight_quant)
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.max_batch_size = max_batch_size
@@ -114,6 +121,7 @@ class TorchEngine:
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor)
+        fake_quantize_(self.model, self.weight_quant)
         if self.fused is not None:
             self.fused.refresh()
         self.version = version
@@ -122,36 +130,43 @@ class TorchEngine:
         with self._lock:
             self._aborted.update(request_ids)
 
-    def generate(self, requests: list[GenerationRequest], on_finish=None) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerationRequest], on_finish=None, feed=None) -> list[GenerationResult]:
         """Run every request to completion (or abort) in one continuous batch; requests may carry different
         sampling params (each params value draws from its own generator when seeded).
 
         `on_finish(result)` is called as each request finishes, between decode steps; it may call `abort`
         (partial rollouts stop the rest of the batch that way). A request aborted before it was admitted
-        returns at once with the tokens it came with.
+        returns at once with the tokens it came with. `feed` (a `rollwise.generate.feed.Feed`) is asked for
+        more requests before every decode step; the call returns once it is done and every request finished
+        (results of fed requests reach `on_finish` only).
         """
         results = _Results(on_finish)
-        if requests:
-            self._run(requests, results)
+        if requests or feed is not None:
+            self._run(requests, results, feed)
         with self._lock:
             self._aborted.difference_update(results)
         return [results[r.request_id] for r in requests]
 
     # -- the decode loop ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _run(self, reqs: list[GenerationRequest], results: dict) -> None:
+    def _run(self, reqs: list[GenerationRequest], results: dict, feed=None) -> None:
         generators: dict[SamplingParams, torch.Generator] = {}
-        for r in reqs:
-            if r.params not in generators:
-                seeded = r.params.seed is not None
-                generators[r.params] = (torch.Generator(device=self.device).manual_seed(r.params.seed) if seeded
-                                        else self.generator)
-        capacity = max(len(r.prompt_ids) + max(len(r.response_ids), r.params.max_new_tokens) for r in reqs) + 1
-        cache = SlotCache(self._layers, min(self.max_batch_size, len(reqs)), self._kv_heads, capacity,
-                          self._head_dim, self.dtype, self.device, value_dim=self.arch.value_dim)
+        self._add_generators(reqs, generators)
+        cache = SlotCache(self._layers, max(1, min(self.max_batch_size, len(reqs))), self._kv_heads,
+                          _room(reqs), self._head_dim, self.dtype, self.device, value_dim=self.arch.value_dim)
         waiting = deque(reqs)
         slots: list[_Sequence | None] = [None] * cache.slots
-        while waiting or any(slots):
+        while True:
+            if feed is not None and not feed.done:
+                fed = feed.take(idle=not waiting and not any(slots))
+                if fed:
+                    self._add_generators(fed, generators)
+                    waiting.extend(fed)
+                    slots = self._make_room(cache, slots, fed, len(waiting))
+            if not waiting and not any(slots):
+                if feed is None or feed.done:
+                    return
+                continue
             free = [i for i, s in enumerate(slots) if s is None]
             if free and waiting:
                 admitted = [_Sequence(waiting.popleft(), [], [], 0) for _ in range(min(len(free), len(waiting)))]
@@ -159,11 +174,31 @@ class TorchEngine:
             active = [i for i, s in enumerate(slots) if s is not None]
             if not active:
                 continue
-            if not waiting and len(active) <= cache.slots // 2:  # long tail: stop computing empty slots
+            tail = not waiting and (feed is None or feed.done)  # nothing more will come to fill empty slots
+            if tail and len(active) <= cache.slots // 2:  # long tail: stop computing empty slots
                 cache.keep(torch.tensor(active, device=self.device))
                 slots = [slots[i] for i in active]
                 active = list(range(len(slots)))
             self._decode_step(cache, slots, active, generators, results)
+
+    def _add_generators(self, reqs: list[GenerationRequest], generators: dict) -> None:
+        """The sampling generator of each new params value: its own when seeded, else the engine's stream."""
+        for r in reqs:
+            if r.params not in generators:
+                seeded = r.params.seed is not None
+                generators[r.params] = (torch.Generator(device=self.device).manual_seed(r.params.seed) if seeded
+                                        else self.generator)
+
+    def _make_room(self, cache: SlotCache, slots: list, fed: list[GenerationRequest], waiting: int) -> list:
+        """Fed requests may need longer rows or more slots than the call started with: grow the cache (up to
+        `max_batch_size` slots; columns by at least a quarter, so growth is rare). Returns the slot list."""
+        busy = sum(s is not None for s in slots)
+        want_slots = max(cache.slots, min(self.max_batch_size, busy + waiting))
+        need = _room(fed)
+        want_columns = cache.capacity if need <= cache.capacity else max(need, cache.capacity * 5 // 4)
+        if want_slots > cache.slots or want_columns > cache.capacity:
+            grow_cache(cache, want_slots, want_columns)
+        return slots + [None] * (cache.slots - len(slots))
 
     def _admit(self, cache, slots, free, admitted, generators, results) -> None:
         """Prefill the admitted requests (one forward per distinct context), sample their first token."""
@@ -330,6 +365,21 @@ class TorchEngine:
     def close(self) -> None:
         """Nothing to release beyond the Python objects (no processes); idempotent."""
         self._aborted.clear()
+
+
+def _room(reqs: list[GenerationRequest]) -> int:
+    """Cache columns the requests need: context plus new tokens, plus the one column a step writes ahead."""
+    return max((len(r.prompt_ids) + max(len(r.response_ids), r.params.max_new_tokens) for r in reqs), default=0) + 1
+
+
+def grow_cache(cache: SlotCache, slots: int, capacity: int) -> None:
+    """Grow `cache` in place to `slots` slots of `capacity` columns; new slots and columns are zero (masked
+    out until written), what is cached keeps its place."""
+    more_slots, more_columns = slots - cache.slots, capacity - cache.capacity
+    pad = torch.nn.functional.pad
+    cache.keys = [pad(k, (0, more_columns, 0, 0, 0, 0, 0, more_slots)) for k in cache.keys]  # [S, kv, D, C]
+    cache.values = [pad(v, (0, 0, 0, more_columns, 0, 0, 0, more_slots)) for v in cache.values]  # [S, kv, C, Dv]
+    cache.lengths = torch.cat([cache.lengths, cache.lengths.new_zeros(more_slots)])
 
 
 class _Results(dict):

@@ -1,7 +1,8 @@
 """Methods: what one RL step adds between Filter and Train, one class per method (see `base.Method`).
 
-`METHODS` maps a `[[stage]] kind` to its class: `rl` (GRPO/PPO, the plain step), `opd` and `opsd` (a teacher scores
-every sampled token), `sft` (NLL on demonstrations); a plugin is named by `package.module:Class`. A new method is
+`METHODS` maps a `[[stage]] kind` (or `algo.method`) to its class: `rl` (GRPO/PPO, the plain step), `opd` and `opsd`
+(a teacher scores every sampled token), `sft` (NLL on demonstrations), `dcmdp` and `acrl` (control of the
+engine-vs-trainer discrepancy); a plugin is named by `package.module:Class`. A new method is
 a file plus a line here (or a plugin path), nothing in the loop, session or trainer. Entries are imported when
 first looked up.
 """
@@ -16,5 +17,7 @@ METHODS.register_lazy("rl", "rollwise.methods.rl:RL")
 METHODS.register_lazy("opd", "rollwise.methods.teacher:OPD")
 METHODS.register_lazy("opsd", "rollwise.methods.teacher:OPSD")
 METHODS.register_lazy("sft", "rollwise.methods.sft:SFT")
+METHODS.register_lazy("dcmdp", "rollwise.methods.discrepancy:DCMDP")
+METHODS.register_lazy("acrl", "rollwise.methods.discrepancy:ACRL")
 
 __all__ = ["METHODS", "Method", "MethodSetup", "Prepared", "Stage", "StepInput"]

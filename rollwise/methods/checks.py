@@ -14,7 +14,7 @@ def method_classes(cfg) -> list[tuple[str, type]]:
     """`(kind, Method class)` of every stage of the run, in order (one implicit stage without `[[stage]]`)."""
     from rollwise.methods import METHODS
 
-    kinds = [s.kind for s in cfg.stage] or [implicit_kind(cfg.teacher)]
+    kinds = [s.kind for s in cfg.stage] or [implicit_kind(cfg.teacher, cfg.algo.method)]
     return [(kind, METHODS.get(kind)) for kind in kinds]
 
 
@@ -30,6 +30,9 @@ def method_errors(cfg) -> list[str]:
     if not all(isinstance(cls, type) and issubclass(cls, Method) for _, cls in classes):
         return []
     errors = stage_errors(cfg, classes)
+    if cfg.algo.method != "rl" and (cfg.stage or cfg.teacher.weights is not None):
+        errors.append(f"algo.method = {cfg.algo.method!r} is the method of a run without [[stage]] tables and without "
+                      "a teacher; with them, name it as a stage's kind instead")
     for _, cls in classes:
         errors += [e for e in cls.checks(cfg) if e not in errors]
     return errors

@@ -11,10 +11,10 @@ from rollwise.config_distill import StageConfig, implicit_kind
 from rollwise.methods.base import Method, MethodSetup, Stage
 
 
-def plan_stages(stages: list[StageConfig], train_steps: int, teacher_cfg) -> list[Stage]:
-    """The `Stage`s of a run of `train_steps` steps."""
+def plan_stages(stages: list[StageConfig], train_steps: int, teacher_cfg, method: str = "rl") -> list[Stage]:
+    """The `Stage`s of a run of `train_steps` steps (`method`: `algo.method`, the kind without `[[stage]]`)."""
     if not stages:
-        return [Stage(implicit_kind(teacher_cfg), 0, train_steps, 0, 1)]
+        return [Stage(implicit_kind(teacher_cfg, method), 0, train_steps, 0, 1)]
     out, start = [], 0
     for i, s in enumerate(stages):
         out.append(Stage(s.kind, start, start + s.steps, i, len(stages), s))

@@ -46,13 +46,22 @@ def step_fields(row: dict[str, Any]) -> str:
 
 
 def eval_fields(row: dict[str, Any]) -> str:
-    """The figures of an eval row, compactly."""
+    """The figures of an eval row, compactly (pass@K and avg@K of the largest K when eval.k > 1)."""
     n = row.get("eval/n")
+    top = pass_keys(row)[-1:]
     return (
         f"sampled acc {fmt(row.get('eval/sampled_accuracy'), '.3f')}"
         f" greedy acc {fmt(row.get('eval/greedy_accuracy'), '.3f')}"
-        f" len {fmt(row.get('eval/response_len_mean'), '.1f')}" + (f" n {n}" if n is not None else "")
+        + "".join(f" {key.removeprefix('eval/')} {fmt(row.get(key), '.3f')}"
+                  for key in top + [k.replace("pass@", "avg@") for k in top])
+        + f" len {fmt(row.get('eval/response_len_mean'), '.1f')}" + (f" n {n}" if n is not None else "")
     )
+
+
+def pass_keys(row: dict[str, Any]) -> list[str]:
+    """The row's run-wide `eval/pass@j` keys, by j."""
+    found = [key for key in row if key.startswith("eval/pass@") and key[len("eval/pass@"):].isdigit()]
+    return sorted(found, key=lambda key: int(key[len("eval/pass@"):]))
 
 
 class ConsoleView:
@@ -150,6 +159,11 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_column("change", justify="right")
     _eval_row(table, "sampled accuracy", "eval/sampled_accuracy", before, after, ".3f")
     _eval_row(table, "greedy accuracy", "eval/greedy_accuracy", before, after, ".3f")
+    for key in pass_keys({**before, **after}):  # eval.k > 1
+        _eval_row(table, key.removeprefix("eval/"), key, before, after, ".3f")
+    avg = [k for k in {**before, **after} if k.startswith("eval/avg@")]
+    for key in avg:
+        _eval_row(table, key.removeprefix("eval/"), key, before, after, ".3f")
     _eval_row(table, "response length (tokens)", "eval/response_len_mean", before, after, ".1f")
     n = after.get("eval/n", before.get("eval/n"))
     if n is not None:
@@ -159,6 +173,11 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("wall time", "", fmt_duration(summary.get("wall_s")), "")
     table.add_row("tokens generated", "", fmt(summary.get("tokens_generated"), ",.0f"), "")
     table.add_row("tokens trained", "", fmt(summary.get("tokens_trained"), ",.0f"), "")
+    early = summary.get("early_stop")
+    if early and early.get("best_step") is not None:  # train.early_stop: where checkpoints/best points
+        stopped = " (stopped early)" if early.get("stopped_early") else ""
+        table.add_row(f"best {early['metric']}", "", f"{fmt(early['best_value'], '.3f')} at step "
+                      f"{early['best_step']}{stopped}", "")
     if summary.get("run_dir"):
         table.caption = f"run dir: {summary['run_dir']}"
     return table

@@ -1,8 +1,10 @@
 """Self-contained HTML run report (`report.html`) built from `metrics.jsonl`: inline SVG plots, no scripts.
 
 Plots over `step`: reward, accuracy (train line plus eval markers), response length, KL, entropy, logprob
-mismatch, throughput, off-policy token share and staleness, batch control (rounds, drops, carry-over), and the time split per stage (every `perf/time/<stage>_s` key, stacked). Tables: first
-and last eval, total time per stage. The resolved `config.toml`, when present, is shown verbatim.
+mismatch, throughput, off-policy token share and staleness, batch control (rounds, drops, carry-over), and the
+time split per stage (every `perf/time/<stage>_s` key, stacked); for a mixture (`[[data.mix]]`) each source's
+accuracy (train and held-out) and mean reward. Tables: first and last eval, total time per stage. The resolved
+`config.toml`, when present, is shown verbatim.
 """
 
 from __future__ import annotations
@@ -272,6 +274,50 @@ def distill_html(rows: list[dict[str, Any]]) -> str:
     return f"<h2>Distillation</h2><div class='plots'>{figures}</div>"
 
 
+SOURCE_KEY = re.compile(r"^(?:reward|eval)/([^/]+)/(?:accuracy|mean|sampled_accuracy|greedy_accuracy)$")
+NOT_SOURCES = {"part"}  # reward/part/<part> are reward parts, not mixture sources
+
+
+def sources(rows: list[dict[str, Any]]) -> list[str]:
+    """The mixture sources (`[[data.mix]]` names) with `reward/<source>/*` or `eval/<source>/*` keys, sorted."""
+    found = {m.group(1) for row in rows for key in row if (m := SOURCE_KEY.match(key))}
+    return sorted(found - NOT_SOURCES)
+
+
+def source_plots(names: list[str]) -> list[PlotSpec]:
+    """One accuracy chart per source (its training rollouts as a line, its held-out eval as markers), then every
+    source's mean reward in one chart."""
+    specs = [PlotSpec(f"Accuracy: {name}", f"source {name}: train rollouts (line) and held-out eval (markers)",
+                      (f"reward/{name}/accuracy",), (f"eval/{name}/sampled_accuracy", f"eval/{name}/greedy_accuracy"),
+                      y_range=(0.0, 1.0)) for name in names]
+    specs.append(PlotSpec("Reward by source", "mean reward of each source's rollouts",
+                          tuple(f"reward/{name}/mean" for name in names)))
+    return specs
+
+
+def sources_html(rows: list[dict[str, Any]]) -> str:
+    """The "Sources" panel of a mixture run (`source_plots`); empty when no row has a per-source key."""
+    names = sources(rows)
+    if not names:
+        return ""
+    figures = "".join(f"<figure>{plot_svg(rows, spec)}</figure>" for spec in source_plots(names))
+    return f"<h2>Sources</h2><div class='plots'>{figures}</div>"
+
+
+PASS_KEY = re.compile(r"^eval/(pass|avg)@(\d+)$")
+
+
+def pass_at_k_html(rows: list[dict[str, Any]]) -> str:
+    """The "pass@k" panel of runs with eval.k > 1: each evaluation's pass@j (unbiased, Chen et al. 2021) and
+    avg@k as markers; empty when no row has them."""
+    found = {m.groups(): key for row in rows for key in row if (m := PASS_KEY.match(key))}
+    if not found:
+        return ""
+    keys = tuple(found[g] for g in sorted(found, key=lambda g: (g[0] == "avg", int(g[1]))))
+    spec = PlotSpec("pass@k", "held-out pass@j and avg@k at each evaluation", (), keys, y_range=(0.0, 1.0))
+    return f"<h2>pass@k</h2><div class='plots'><figure>{plot_svg(rows, spec)}</figure></div>"
+
+
 def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
     """The report page for `rows` of the run in `run_dir`."""
     figures = [plot_svg(rows, spec) for spec in PLOTS] + [time_svg(rows)]
@@ -289,6 +335,8 @@ def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
         f"<div class='tables'><div><h2>Eval</h2>{eval_table_html(rows)}</div>"
         f"<div><h2>Time per stage</h2>{time_table_html(rows)}</div></div>",
         "<h2>Plots</h2><div class='plots'>" + "".join(f"<figure>{f}</figure>" for f in figures) + "</div>",
+        sources_html(rows),
+        pass_at_k_html(rows),
         episodes_html(rows),
         distill_html(rows),
         f"<h2>Config</h2><pre>{config}</pre>" if config is not None else "",

@@ -177,14 +177,29 @@ def with_format_weight(fn: RewardFn, weight: float) -> RewardFn:
     """`fn` plus `weight` x its `format` part (0 when absent, as for plain-number rewards). Correctness is decided
     on `fn`'s own result (`decide_correct`), before the bonus: a wrong answer in the right format stays wrong."""
 
-    def with_format(sample: Sample) -> RewardResult:
-        returned = fn(sample)
-        if isinstance(returned, RewardResult) and returned.error is not None:
+    def add_bonus(returned: Any) -> Any:
+        if isinstance(returned, BaseException) or (isinstance(returned, RewardResult) and returned.error is not None):
             return returned
         result = as_result(returned)
         bonus = weight * result.parts.get("format", 0.0)
         return RewardResult(value=result.value + bonus, parts=result.parts, error=None,
                             correct=decide_correct(result), info=result.info)
 
+    def with_format(sample: Sample) -> RewardResult:
+        return add_bonus(fn(sample))
+
     with_format.__name__ = f"{getattr(fn, '__name__', 'reward')}_with_format"
+    many = getattr(fn, "score_many", None)
+    if callable(many):  # keep the batch hook (rollwise.rewards.scoring)
+        def score_many(samples: list[Sample], timeout_s: float | None) -> list[Any]:
+            out = []
+            for outcome in many(samples, timeout_s):
+                try:
+                    out.append(add_bonus(outcome))
+                except Exception as exc:  # an unusable result fails its sample only
+                    out.append(exc)
+            return out
+
+        with_format.score_many = score_many
+        with_format.close = getattr(fn, "close", lambda: None)
     return with_format

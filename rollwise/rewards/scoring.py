@@ -11,6 +11,12 @@ Inf, a raised exception or a set `error` mark the sample FAILED with a one-line 
 Time limits: `rollwise.rewards.calling` (in-process, what a SIGALRM timer can and cannot stop) and
 `rollwise.rewards.isolate` (worker processes, killed past the limit).
 
+Batch hook: a reward object with `score_many(samples, timeout_s) -> [RewardResult | BaseException]` (in order,
+`timeout_s` per sample) scores a whole batch in one call: `IsolatedReward` spreads it over worker processes, the
+LLM judge (`rollwise.rewards.judge`) sends its requests concurrently. A plain function is called one sample at a
+time. Settings hook: a registered reward with `from_config(reward_cfg)` is built from the `[reward]` section by
+`build_reward_fn` (and `config_errors(reward_cfg)` says at --dry-run what is wrong with them).
+
 A run where every reward of `reward.max_failed_steps` steps in a row failed stops: `RewardFailureGuard`.
 """
 
@@ -23,6 +29,7 @@ from typing import Any
 from rollwise.errors import UserError
 from rollwise.config import RewardConfig
 from rollwise.rewards.calling import (
+    as_result,
     call_reward,
     decide_correct,
     error_text,
@@ -79,6 +86,13 @@ def is_isolated(fn: Any) -> bool:
     return isinstance(fn, IsolatedReward)
 
 
+def batch_scorer(fn: Any):
+    """The reward's batch hook `score_many(samples, timeout_s)` (see the module docstring); None when it scores
+    one sample per call."""
+    many = getattr(fn, "score_many", None)
+    return many if callable(many) else None
+
+
 def score_sample(sample: Sample, fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
     """Set the sample's reward, parts and `correct`; on failure mark it FAILED. True when it was scored."""
     return bool(score_batch([sample], fn, timeout_s))
@@ -87,11 +101,16 @@ def score_sample(sample: Sample, fn: RewardFn, timeout_s: float | None = DEFAULT
 def score_batch(samples: list[Sample], fn: RewardFn, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[Sample]:
     """Score every sample (in the calling thread, or in `fn`'s worker processes); return those scored.
 
-    An `IsolatedReward` with several workers scores samples in parallel; `timeout_s` holds per sample."""
+    A reward with a batch hook (`batch_scorer`: an `IsolatedReward`'s workers, the judge's concurrent requests)
+    gets all samples in one call; `timeout_s` holds per sample."""
     failed_env = {i: exc for i, exc in ((i, env_failure(s)) for i, s in enumerate(samples)) if exc is not None}
     todo = [s for i, s in enumerate(samples) if i not in failed_env]
-    if is_isolated(fn):
-        outcomes = fn.score_many(todo, timeout_s) if todo else []  # raises only when a worker cannot load the reward
+    many = batch_scorer(fn)
+    if many is not None:  # raises only for what is not a sample's failure (a worker cannot load the reward)
+        outcomes = [_checked(o) for o in many(todo, timeout_s)] if todo else []
+        if len(outcomes) != len(todo):
+            raise RuntimeError(f"{getattr(fn, '__name__', type(fn).__name__)}.score_many returned {len(outcomes)} "
+                               f"outcomes for {len(todo)} samples")
     else:
         outcomes = [_call_in_process(fn, s, timeout_s) for s in todo]
     outcomes = iter(outcomes)
@@ -121,6 +140,16 @@ def env_failure(sample: Sample) -> EnvironmentFailure | None:
     return None
 
 
+def _checked(outcome: Any) -> RewardResult | BaseException:
+    """A batch hook's outcome: an exception as it is, anything else checked as a reward's return value."""
+    if isinstance(outcome, BaseException):
+        return outcome
+    try:
+        return as_result(outcome)
+    except Exception as exc:
+        return exc
+
+
 def _call_in_process(fn: RewardFn, sample: Sample, timeout_s: float | None) -> RewardResult | BaseException:
     try:
         return call_reward(fn, sample, timeout_s)
@@ -131,7 +160,9 @@ def _call_in_process(fn: RewardFn, sample: Sample, timeout_s: float | None) -> R
 
 
 def reward_metrics(scored: list[Sample], num_samples: int) -> dict[str, float]:
-    """`reward/` metrics: mean, std, accuracy over scored samples; error count and fraction; part means."""
+    """`reward/` metrics: mean, std, accuracy over scored samples; error count and fraction; part means; and
+    per mixture source (`Prompt.origin`, `[[data.mix]]`) `reward/<source>/accuracy`, `/mean` and `/samples`
+    over that source's scored samples (a source with none this step has no row)."""
     errors = num_samples - len(scored)
     metrics = {"reward/errors": float(errors), "reward/error_frac": errors / num_samples if num_samples else 0.0}
     if not scored:
@@ -144,6 +175,12 @@ def reward_metrics(scored: list[Sample], num_samples: int) -> dict[str, float]:
     for name in names:
         parts = [s.reward_parts[name] for s in scored if name in s.reward_parts]
         metrics[f"reward/part/{name}"] = statistics.fmean(parts)
+    origins = sorted({s.prompt.origin for s in scored if s.prompt.origin})
+    for origin in origins:
+        mine = [s for s in scored if s.prompt.origin == origin]
+        metrics[f"reward/{origin}/mean"] = statistics.fmean(s.reward for s in mine if s.reward is not None)
+        metrics[f"reward/{origin}/accuracy"] = sum(bool(s.correct) for s in mine) / len(mine)
+        metrics[f"reward/{origin}/samples"] = float(len(mine))
     return metrics
 
 
@@ -205,4 +242,34 @@ def build_reward_fn(cfg: RewardConfig, default_reward: str) -> RewardFn:
     fn = get_reward_fn(name)
     if cfg.isolate:
         return IsolatedReward(name, cfg.format_weight, timeout_s=cfg.timeout_s)
+    configure = getattr(fn, "from_config", None)  # a reward with settings in [reward] (the judge)
+    if configure is not None:
+        errors = reward_setting_errors(cfg)
+        if errors:
+            raise RewardSettingsError(errors[0])
+        fn = configure(cfg)
     return fn if cfg.format_weight == 0.0 else with_format_weight(fn, cfg.format_weight)
+
+
+class RewardSettingsError(UserError, ValueError):
+    """A reward's `[reward]` settings cannot work (e.g. the judge without reward.judge_url)."""
+
+
+def reward_setting_errors(cfg: RewardConfig) -> list[str]:
+    """What is wrong with the settings of `reward.fn` (checked at --dry-run): its own `config_errors(cfg)`, and
+    `reward.isolate` with a reward built from settings (a worker process loads rewards by name only). An
+    unknown name gives none here: name resolution reports it."""
+    if cfg.fn is None:
+        return []
+    try:
+        fn = get_reward_fn(cfg.fn)
+    except Exception:
+        return []
+    if getattr(fn, "from_config", None) is None:
+        return []
+    check = getattr(fn, "config_errors", None)
+    errors = list(check(cfg)) if check is not None else []
+    if cfg.isolate:
+        errors.append(f"reward.fn = {cfg.fn!r} is built from its reward.* settings and bounds its own calls; "
+                      "reward.isolate loads a reward by name in a worker process: set reward.isolate = false")
+    return errors

@@ -94,6 +94,9 @@ def integer_reward(sample: Sample) -> RewardResult:
 REWARDS.register("arith")(integer_reward)
 REWARDS.register("letters")(integer_reward)
 REWARDS.register_lazy("lookup", "rollwise.envs.lookup:lookup_reward")  # beside its task and tool
+REWARDS.register_lazy("reasoning_gym", "rollwise.rewards.reasoning_gym:reasoning_gym_reward")  # needs the extra
+REWARDS.register_lazy("mixture", "rollwise.rewards.mixture:mixture_reward")  # [[data.mix]]: the source's own
+REWARDS.register_lazy("judge", "rollwise.rewards.judge:judge")  # an LLM judge over HTTP (reward.judge_*)
 
 
 def _math_verify_timeout() -> int | None:

@@ -4,6 +4,8 @@
 run_dir/checkpoints/step-N/    config.json, model.safetensors, generation_config.json, tokenizer files,
                                trainer_state.pt, COMPLETE (written last: file names and sizes)
 run_dir/checkpoints/latest     the name of the newest complete checkpoint (written last, atomically)
+run_dir/checkpoints/best       the name of the checkpoint of the best evaluation (train.early_stop; written
+                               atomically once that checkpoint is complete, never pruned)
 ```
 A checkpoint is written into `.step-N.tmp-<pid>`, fsynced, marked COMPLETE and renamed into place; only then
 is `latest` replaced. A SIGKILL at any moment leaves the previous checkpoints and `latest` intact; the temp
@@ -28,12 +30,13 @@ from rollwise.models.atomic import fsync_dir, fsync_tree, publish_dir, remove_di
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+BEST = "best"
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.pt"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TEMP_DIR = re.compile(r"^\.step-(\d+)\.(tmp|old|del)-(\d+)$")
-_LATEST_TMP = re.compile(r"^\.latest\.tmp-(\d+)-\w+$")
+_LATEST_TMP = re.compile(r"^\.(?:latest|best)\.tmp-(\d+)-\w+$")
 _saving = 0  # saves in progress in this process: its own temp directories are not stale meanwhile
 _saving_lock = threading.Lock()
 
@@ -45,7 +48,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
 
     `trainer_state` (optimizer / scheduler state dicts, RNG states, data position, ...) is saved with
     `torch.save`; `step` is added to it when absent. An existing `step-<step>` is replaced safely. `keep > 0`
-    then deletes the oldest complete checkpoints beyond `keep` (never the one `latest` names).
+    then deletes the oldest complete checkpoints beyond `keep` (never the ones `latest` and `best` name).
     `state_dict`, when given, holds the weights to write in `model`'s format (e.g. FSDP2's gathered full state
     dict; `model` then gives only the config). `write_extra(temp_dir)` writes more files (e.g. sharded trainer
     state in a subdirectory) before COMPLETE, which lists them too.
@@ -132,6 +135,24 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def mark_best(run_dir: Path, step: int) -> Path:
+    """Point `checkpoints/best` at the complete checkpoint `step-<step>` (atomically, as `latest`); return it.
+    FileNotFoundError when that checkpoint is not complete (a pointer never names a partial checkpoint)."""
+    root = Path(run_dir) / CHECKPOINTS
+    name = f"step-{step}"
+    if not is_complete(root / name):
+        raise FileNotFoundError(f"{root / name} is not a complete checkpoint; `best` cannot name it")
+    write_text_atomic(root / BEST, name + "\n")
+    return root / name
+
+
+def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint `checkpoints/best` names when it is complete; None without one (no train.early_stop)."""
+    root = Path(run_dir) / CHECKPOINTS
+    named = _read_pointer(root, BEST)
+    return root / named if named is not None and is_complete(root / named) else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete `step-N` directories, oldest step first."""
     root = Path(run_dir) / CHECKPOINTS
@@ -211,8 +232,13 @@ def _without_quantization_config(model) -> Iterator[None]:
 
 
 def _read_latest(root: Path) -> str | None:
+    return _read_pointer(root, LATEST)
+
+
+def _read_pointer(root: Path, pointer: str) -> str | None:
+    """The checkpoint name the pointer file `root/pointer` holds (None: absent or not a `step-N` name)."""
     try:
-        name = (root / LATEST).read_text().strip()
+        name = (root / pointer).read_text().strip()
     except OSError:
         return None
     return name if _STEP_DIR.match(name) else None
@@ -259,9 +285,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Delete the oldest complete checkpoints beyond `keep`, never the one `latest` names."""
-    named = _read_latest(root)
+    """Delete the oldest complete checkpoints beyond `keep`, never the ones `latest` and `best` name."""
+    named = {_read_latest(root), _read_pointer(root, BEST)}
     complete = list_checkpoints(root.parent)
     for path in complete[: max(len(complete) - keep, 0)]:
-        if path.name != named:
+        if path.name not in named:
             remove_dir(path, root / f".{path.name}.del-{os.getpid()}")

@@ -5,8 +5,9 @@
 - per micro-batch `mb` (`rollwise.train.batching.MicroBatch`):
   `advantages(own_logp [S, T], mb, entropy [S, T]) -> [S] or [S, T]`, the advantages the policy loss uses
   (`own_logp`: the student's own untruncated log-probs of the sampled tokens, without gradient);
-  `extra_loss(logp [S, T] (with gradient), hidden [n, H] or None, head [V, H], mb, aggregate) -> 0-d tensor`,
-  added to the policy loss (`aggregate(per_token [S, T], mask [S, T])` is the run's loss aggregation);
+  `extra_loss(logp [S, T] (with gradient), hidden [n, H] or None, head [V, H], mb, aggregate, entropy) -> 0-d
+  tensor`, added to the policy loss (`aggregate(per_token [S, T], mask [S, T])` is the run's loss aggregation,
+  `entropy [S, T]` the policy's per-token entropy, with gradient);
 - `metrics()` at the end: the terms' own metrics over the whole step.
 
 `policy_loss = False` trains `extra_loss` alone (SFT on demonstrations, which have no advantage);
@@ -38,7 +39,7 @@ class LossTerms(Protocol):
     def advantages(self, own_logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None) -> torch.Tensor: ...
 
     def extra_loss(self, logp: torch.Tensor, hidden: torch.Tensor | None, head: torch.Tensor, mb: MicroBatch,
-                   aggregate: Aggregate) -> torch.Tensor: ...
+                   aggregate: Aggregate, entropy: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def metrics(self) -> dict[str, float]: ...
 
@@ -57,7 +58,7 @@ class PolicyTerms:
         return mb.advantages
 
     def extra_loss(self, logp: torch.Tensor, hidden: torch.Tensor | None, head: torch.Tensor, mb: MicroBatch,
-                   aggregate: Aggregate) -> torch.Tensor:
+                   aggregate: Aggregate, entropy: torch.Tensor | None = None) -> torch.Tensor:
         return logp.new_zeros(())
 
     def metrics(self) -> dict[str, float]:

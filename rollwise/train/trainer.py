@@ -335,7 +335,8 @@ class Trainer:
             loss, metrics = self.objective.loss(logp, old, mb.behaviour_logp, advantages, mask, norms, seed,
                                                 entropy=entropy, ref_logp=ref_logp)
         loss = loss + terms.extra_loss(logp, hidden[0] if hidden else None, self.model.get_output_embeddings().weight,
-                                       mb, lambda per_token, m: self.objective.aggregate(per_token, m, norms))
+                                       mb, lambda per_token, m: self.objective.aggregate(per_token, m, norms),
+                                       entropy=entropy)
         measure = measure and terms.compares_engine
         if critic is not None:
             old_values, returns = critic

@@ -1,0 +1,262 @@
+"""`reward.fn = "judge"`: an LLM judge behind any OpenAI-compatible chat endpoint (vLLM, `rollwise serve`, a
+hosted API), in the LLM-as-a-judge style of Zheng et al. 2023 (MT-Bench) and the `JudgeRubric` of verifiers.
+
+Each sample becomes one `POST {judge_url}/chat/completions` (temperature 0, `judge_max_tokens`) whose user
+message is `reward.judge_template` filled with `{question}` (the prompt's last user turn), `{reference}` (the
+prompt's answer; `{answer}` is the same) and `{response}` (the policy's response). The judge's answer must hold
+`Score: N` or `<score>N</score>` (the last one counts), N in 0..judge_score_max: the reward is
+N / judge_score_max, part `judge`, correct at `judge_threshold` or above.
+
+A step's samples are judged concurrently (`judge_concurrency` requests in flight) through the batch hook
+`score_many` of `rollwise.rewards.scoring`. Each sample has `reward.timeout_s`, retries included: a network
+error, a timeout or HTTP 429 / 5xx is retried up to `judge_retries` times with a short backoff; another HTTP
+error, or an answer without a score or with one out of range, is not. A judgement that fails marks its sample
+FAILED with the reason (`reward/errors`, `reward_error` in the samples log), never a silent 0; every sample of
+`reward.max_failed_steps` steps failing stops the run (`RewardFailureGuard`).
+
+The key: `reward.judge_api_key`, else `$ROLLWISE_JUDGE_API_KEY` (a secret: never written to config.toml), sent
+as `Authorization: Bearer`; none when neither is set (a local vLLM).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+from rollwise.config import RewardConfig, secret_value
+from rollwise.types import RewardResult, Sample
+
+KEY_ENV = "ROLLWISE_JUDGE_API_KEY"
+FIELDS = ("question", "reference", "answer", "response")
+DEFAULT_TEMPLATE = """You grade a response to a question against the reference answer.
+
+Question:
+{question}
+
+Reference answer:
+{reference}
+
+Response:
+{response}
+
+Is the response's final answer correct and equivalent to the reference answer? Reply with one line
+"Score: N", where N is an integer from 0 (wrong) to 10 (correct)."""
+# `Score: 7`, `score = 7.5`, `**Score:** 7`, `<score>7</score>`; the last one in the answer counts
+SCORE_RE = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>|\bscore\b\W{0,4}?([-+]?\d+(?:\.\d+)?)", re.I)
+RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504)
+BACKOFF_S = 0.5  # before retry r (from 0): BACKOFF_S * 2**r, within the sample's time left
+EXCERPT_CHARS = 160
+
+
+class JudgeError(RuntimeError):
+    """One judgement failed; the message is the sample's `reward_error`."""
+
+
+def parse_score(text: str, score_max: float) -> float:
+    """The last `Score: N` / `<score>N</score>` of the judge's answer, normalised to [0, 1] by `score_max`.
+    JudgeError when there is none or it is outside 0..score_max."""
+    found = SCORE_RE.findall(text or "")
+    if not found:
+        raise JudgeError(f"the judge's answer holds no 'Score: N': {_excerpt(text)}")
+    number = float(next(g for g in found[-1] if g))
+    if not 0.0 <= number <= score_max:
+        raise JudgeError(f"the judge's score {number:g} is outside 0..{score_max:g}: {_excerpt(text)}")
+    return number / score_max
+
+
+def config_errors(cfg: RewardConfig) -> list[str]:
+    """What stops the judge's settings from working (checked at --dry-run)."""
+    errors = []
+    if not cfg.judge_url:
+        errors.append("reward.fn = 'judge' needs reward.judge_url: the base URL of an OpenAI-compatible server, "
+                      "e.g. 'http://127.0.0.1:8000/v1'")
+    elif not cfg.judge_url.startswith(("http://", "https://")):
+        errors.append(f"reward.judge_url = {cfg.judge_url!r} must start with http:// or https://")
+    template = cfg.judge_template if cfg.judge_template is not None else DEFAULT_TEMPLATE
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as exc:
+        return errors + [f"reward.judge_template is not a valid template ({exc}); write braces as {{{{ }}}}"]
+    unknown = sorted(names - set(FIELDS))
+    if unknown:
+        errors.append(f"reward.judge_template uses {{{unknown[0]}}}; valid fields: "
+                      f"{', '.join('{' + f + '}' for f in FIELDS)} (write a literal brace as {{{{ or }}}})")
+    if "response" not in names:
+        errors.append("reward.judge_template must contain {response}: the judge cannot grade what it does not see")
+    return errors
+
+
+@dataclass
+class JudgeReward:
+    """The judge: callable on one sample (raises on failure) and `score_many` for a batch (concurrent).
+
+    `close()` ends its HTTP connections and threads (the run calls it at the end)."""
+
+    url: str
+    model: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    template: str = DEFAULT_TEMPLATE
+    max_tokens: int = 64
+    concurrency: int = 8
+    retries: int = 2
+    score_max: float = 10.0
+    threshold: float = 0.5
+    timeout_s: float = 20.0  # per sample when called on one (score_many takes the caller's)
+    _client: httpx.Client | None = field(default=None, init=False, repr=False)
+    _pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    __name__ = "judge"
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig) -> "JudgeReward":
+        """The judge of the `reward.judge_*` settings (see the module docstring)."""
+        return cls(url=cfg.judge_url.rstrip("/"), model=cfg.judge_model,
+                   api_key=secret_value(cfg.judge_api_key) or os.environ.get(KEY_ENV) or None,
+                   template=cfg.judge_template if cfg.judge_template is not None else DEFAULT_TEMPLATE,
+                   max_tokens=cfg.judge_max_tokens, concurrency=cfg.judge_concurrency, retries=cfg.judge_retries,
+                   score_max=cfg.judge_score_max, threshold=cfg.judge_threshold, timeout_s=cfg.timeout_s)
+
+    def __call__(self, sample: Sample) -> RewardResult:
+        return self.judge(sample, self.timeout_s)
+
+    def score_many(self, samples: list[Sample], timeout_s: float | None) -> list[RewardResult | BaseException]:
+        """Each sample's result or the exception its judgement failed with, in order; `concurrency` requests
+        in flight, `timeout_s` per sample from the moment its first request starts."""
+        pool = self._executor()
+        futures = [pool.submit(self._outcome, s, timeout_s or self.timeout_s) for s in samples]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:  # Ctrl-C: drop what has not started (a running request ends within its timeout)
+            for f in futures:
+                f.cancel()
+            raise
+
+    def judge(self, sample: Sample, timeout_s: float) -> RewardResult:
+        """One judgement within `timeout_s` seconds (retries included); JudgeError on failure."""
+        deadline = time.monotonic() + timeout_s
+        text = self._ask(self.render(sample), deadline, timeout_s)
+        score = parse_score(text, self.score_max)
+        correct = score >= self.threshold
+        return RewardResult(value=score, parts={"judge": score, "correct": float(correct)}, correct=correct,
+                            info={"judge_answer": text[:500]})
+
+    def render(self, sample: Sample) -> str:
+        """The judge's user message for `sample`."""
+        prompt = sample.prompt
+        question = next((m["content"] for m in reversed(prompt.messages) if m.get("role") == "user"), "")
+        reference = prompt.answer
+        if reference is None and ("{reference}" in self.template or "{answer}" in self.template):
+            raise JudgeError(f"prompt {prompt.source or prompt.uid!r} has no reference answer for the judge template")
+        return self.template.format(question=question, reference=reference or "", answer=reference or "",
+                                    response=sample.response_text)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, client, self._pool, self._client = self._pool, self._client, None, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if client is not None:
+            client.close()
+
+    # -- HTTP -------------------------------------------------------------------------------------------
+    def _outcome(self, sample: Sample, timeout_s: float) -> RewardResult | BaseException:
+        try:
+            return self.judge(sample, timeout_s)
+        except Exception as exc:
+            return exc
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="rollwise-judge")
+            return self._pool
+
+    def _http(self) -> httpx.Client:
+        with self._lock:
+            if self._client is None:
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+                self._client = httpx.Client(headers=headers, limits=limits)
+            return self._client
+
+    def _served_model(self, deadline: float, timeout_s: float) -> str:
+        """`judge_model`, else the first model of GET /models (asked once)."""
+        if self.model is None:
+            answer = self._request("GET", "/models", None, deadline, timeout_s)
+            models = answer.get("data") or []
+            if not models or "id" not in models[0]:
+                raise JudgeError(f"{self.url}/models lists no model; set reward.judge_model")
+            self.model = str(models[0]["id"])
+        return self.model
+
+    def _ask(self, content: str, deadline: float, timeout_s: float) -> str:
+        body = {"model": self._served_model(deadline, timeout_s), "max_tokens": self.max_tokens,
+                "temperature": 0.0, "messages": [{"role": "user", "content": content}]}
+        answer = self._request("POST", "/chat/completions", body, deadline, timeout_s)
+        try:
+            text = answer["choices"][0]["message"]["content"]
+        except (KeyError, IndexError, TypeError):
+            raise JudgeError(f"the judge server's answer has no choices[0].message.content: "
+                             f"{_excerpt(str(answer))}") from None
+        return text or ""
+
+    def _request(self, method: str, path: str, body: dict | None, deadline: float, timeout_s: float) -> dict:
+        """The JSON answer of one call, retried on network errors, timeouts and 429 / 5xx within `deadline`."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                answer = self._http().request(method, self.url + path, json=body, timeout=left)
+            except httpx.TimeoutException:
+                last = f"no answer within reward.timeout_s={timeout_s:g} s"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if answer.status_code < 400:
+                    try:
+                        return answer.json()
+                    except ValueError:
+                        raise JudgeError(f"the judge server answered {path} with no JSON: "
+                                         f"{_excerpt(answer.text)}") from None
+                last = f"HTTP {answer.status_code}: {_excerpt(_error_message(answer))}"
+                if answer.status_code not in RETRY_STATUS:
+                    hint = " (reward.judge_api_key or $ROLLWISE_JUDGE_API_KEY)" if answer.status_code == 401 else ""
+                    raise JudgeError(f"judge {self.url}{path}: {last}{hint}")
+            if attempt < self.retries:
+                time.sleep(max(0.0, min(BACKOFF_S * 2**attempt, deadline - time.monotonic())))
+        raise JudgeError(f"judge {self.url}{path} failed after {attempt + 1} attempt(s) within "
+                         f"reward.timeout_s={timeout_s:g} s: {last or 'no time left'}")
+
+
+def _error_message(answer: httpx.Response) -> str:
+    try:
+        error = answer.json().get("error")
+        return str(error.get("message") if isinstance(error, dict) else error or answer.text)
+    except (ValueError, AttributeError):
+        return answer.text
+
+
+def _excerpt(text: str) -> str:
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 3] + "...")
+
+
+def judge(sample: Sample) -> RewardResult:
+    """reward.fn = "judge": an LLM judge over HTTP, built from the `reward.judge_*` settings by
+    `build_reward_fn` (`judge.from_config`); called bare it has no server to ask and fails saying so."""
+    raise JudgeError("the judge reward is built from reward.judge_url and the other reward.judge_* settings: "
+                     "use rollwise.rewards.build_reward_fn(cfg.reward, ...)")
+
+
+judge.from_config = JudgeReward.from_config  # type: ignore[attr-defined]
+judge.config_errors = config_errors  # type: ignore[attr-defined]
