@@ -10,6 +10,7 @@ the same measure in every arm), the policy's entropy, and the controller (lambda
 discrepancy of the tokens it trained on and the share it masked).
 
     python benchmarks/discrepancy.py [--methods rl,dcmdp,acrl] [--seeds 0,1] [--runs-dir runs/discrepancy]
+                                     [--steps N] [--eval-n N]
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ SERIES = ("mismatch/k3", "train/entropy", "reward/mean", "mismatch/lambda", "mis
           "mismatch/acrl_trained_discrepancy", "mismatch/acrl_masked_frac")
 
 
-def train_command(method: str, seed: int, runs_dir: Path) -> list[str]:
-    """The exact `rollwise train` command of one run."""
+def train_command(method: str, seed: int, runs_dir: Path, budget: list[str]) -> list[str]:
+    """The exact `rollwise train` command of one run; `budget`: extra overrides (steps, evaluation)."""
     return [sys.executable, "-m", "rollwise.cli", "train", str(REPO / "recipes" / "dcmdp.toml"),
             "--run-dir", str(runs_dir / f"{method}-seed{seed}"), f"algo.method={method}", f"train.seed={seed}",
-            "run.console=false", "run.save_every_steps=0", "run.report=false"]
+            "run.console=false", "run.save_every_steps=0", "run.report=false", *budget]
 
 
 def _mean(rows: list[dict], key: str) -> float | None:
@@ -37,11 +38,11 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return round(sum(values) / len(values), 5) if values else None
 
 
-def run_row(method: str, seed: int, runs_dir: Path, fresh: bool) -> dict:
+def run_row(method: str, seed: int, runs_dir: Path, fresh: bool, budget: list[str]) -> dict:
     run_dir = runs_dir / f"{method}-seed{seed}"
     if fresh or not (run_dir / "summary.json").exists():
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        subprocess.run(train_command(method, seed, runs_dir), check=True, cwd=REPO)
+        subprocess.run(train_command(method, seed, runs_dir, budget), check=True, cwd=REPO)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
@@ -73,11 +74,15 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "discrepancy")
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--steps", type=int, help="train.steps (default: the recipe's)")
+    parser.add_argument("--eval-n", type=int, help="eval.n, evaluated at the start and the end only")
     args = parser.parse_args()
+    budget = [f"train.steps={args.steps}"] if args.steps else []
+    budget += [f"eval.n={args.eval_n}", "eval.every_steps=0"] if args.eval_n else []
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for method in args.methods.split(","):
-            rows.append(run_row(method, seed, args.runs_dir, args.fresh))
+            rows.append(run_row(method, seed, args.runs_dir, args.fresh, budget))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
 

@@ -9,21 +9,15 @@ keyword (GRPO's std normalisation); no estimator is special-cased by name.
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 
 from rollwise import algo
 from rollwise.config import Config
+from rollwise.algo.options import estimator_options
 from rollwise.types import Group, Sample
 
 CPU = torch.device("cpu")  # a step's rewards and advantages are a few numbers per sample: computed here
-
-
-def estimator_options(cfg: Config) -> dict:
-    """Keywords the configured outcome estimator takes from the run's settings."""
-    accepts = inspect.signature(algo.ADVANTAGES.get(cfg.algo.advantage)).parameters
-    return {"scale": cfg.algo.scale_rewards == "group"} if "scale" in accepts else {}
 
 
 def shaped_rewards(samples: list[Sample], cfg: Config, trainer=None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -60,7 +54,7 @@ def assign_advantages(groups: list[Group], cfg: Config, trainer=None) -> tuple[l
     if algo.is_token_advantage(cfg.algo.advantage):
         return samples, metrics
     group_ids = torch.tensor([s.group_id for s in samples], device=CPU)  # [N]
-    advantages = algo.advantage(cfg.algo.advantage, rewards, group_ids, **estimator_options(cfg))  # [N]
+    advantages = algo.advantage(cfg.algo.advantage, rewards, group_ids, **estimator_options(cfg, samples))  # [N]
     for s, a in zip(samples, advantages.tolist()):
         s.advantage = a
     return samples, metrics

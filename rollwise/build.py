@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rollwise import sandbox
-from rollwise.config import Config
+from rollwise.config import Config, ConfigError
 from rollwise.config_toml import to_toml
 from rollwise.control import Controller
 from rollwise.data import PromptEncoder, build_prompt_source
@@ -42,7 +42,10 @@ from rollwise.perf import FlopCounter
 from rollwise.registry import Registry
 from rollwise.replay import ReplayBuffer
 from rollwise.rewards import RewardFailureGuard, build_reward_fn
+from rollwise.rewards.noise import training_reward  # verifier noise (reward.noise_*): training rewards only
+from rollwise.rewards.memreward import with_label_propagation  # MemReward (reward.label_fraction)
 from rollwise.rollout import LocalRollouts, ProcessRollouts, episodes_for
+from rollwise.rollout_strategies import StrategyContext, build_strategy
 from rollwise.session import Run, encode_eval_prompts, restore_loop_state, restore_state, seed_everything
 from rollwise.sync import WeightSync
 from rollwise.train.checkpoint import latest_checkpoint, load_trainer_state
@@ -141,9 +144,11 @@ def assemble(run: Run, state: dict | None, ckpt: Path | None, generation_threads
     run.rollouts = build_rollouts(run, generation_threads)
     run.sync = WeightSync(run.rollouts, run.trainer, run.tokenizer, cfg.sync.transport, cfg.sync.check_tokens,
                           cfg.sync.max_logprob_diff, sync_dir=run.run_dir / "sync")
+    run.plan.setup.sync = run.sync  # a method may check an update on the engine before the step's sync (MIPU)
     if run.trainer.has_adapter and state is not None:  # the engine started from the base: give it the adapters
         run.sync.push(run.engine.version)
-    run.controller = Controller(cfg, run.rollouts, run.next_prompts, run.reward_fn)
+    run.controller = Controller(cfg, run.rollouts, run.next_prompts,
+                                with_label_propagation(training_reward(run.reward_fn, cfg.reward), cfg.reward))
     run.controller.substitution = build_substitution(run)
     run.reward_guard = RewardFailureGuard(cfg.reward.max_failed_steps)
     if state is not None:
@@ -213,7 +218,7 @@ def build_plan(run: Run) -> MethodPlan:
     cfg = run.cfg
     stages = plan_stages(cfg.stage, cfg.train.steps, cfg.teacher, cfg.algo.method)
     setup = MethodSetup(cfg, policy=run.model, tokenizer=run.tokenizer, encoder=run.encoder,
-                        demo_sources=load_demo_sources(cfg, stages))
+                        demo_sources=load_demo_sources(cfg, stages), trainer=run.trainer)
     plan = MethodPlan(stages, setup)
     if plan.uses_teacher:
         pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else run.tokenizer.eos_token_id
@@ -235,7 +240,12 @@ def build_rollouts(run: Run, generation_threads: int):
     the teacher rollout mixture, the teacher blended into sampling."""
     cfg = run.cfg
     own = getattr(run.episodes, "rollouts", None)  # an episode source with its own Generate stage (rollwise.agents)
-    rollouts = own(run.engine) if own is not None else LocalRollouts(run.engine, run.episodes)
+    if run.episodes is not None and cfg.rollout.strategy != "plain":  # e.g. a tool task's own environment
+        raise ConfigError(f"rollout.strategy = {cfg.rollout.strategy!r} generates single-turn responses; this run's "
+                          "samples are multi-turn episodes: set rollout.strategy = 'plain' or a single-turn task")
+    strategy = None if run.episodes is not None else build_strategy(  # rollout.strategy (rollwise.rollout_strategies)
+        cfg, StrategyContext(run.tokenizer, run.model, cfg.train.seed, reward_fn=run.reward_fn))
+    rollouts = own(run.engine) if own is not None else LocalRollouts(run.engine, run.episodes, strategy)
     if cfg.rollout.source == "service":  # generation by a `rollwise serve` elsewhere (rollwise/serve/client.py)
         from rollwise.serve.client import service_rollouts
 

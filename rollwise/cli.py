@@ -133,6 +133,8 @@ def eval_cmd(
     k: Optional[int] = typer.Option(None, "--k", min=1, help="sampled responses per prompt (default eval.k of the run, "
                                     "else 1): with K > 1, unbiased pass@j for j = 1, 2, 4, ... < K and K, and avg@K"),
     greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="also one greedy response per prompt"),
+    decode: str = typer.Option("plain", "--decode", help="'deeplook': also decode with confidence-triggered "
+                               "lookahead and voting (eval.deeplook_* keys), reported as deeplook_* with tokens spent"),
     best: bool = typer.Option(False, "--best", help="with a run directory: its best checkpoint "
                               "(checkpoints/best, written by train.early_stop) instead of its newest"),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),
@@ -144,7 +146,7 @@ def eval_cmd(
 
     with guard(None, debug):
         result = run_eval_command(model, task, n, temperature, max_new_tokens, list(overrides or []),
-                                  data=data, out=out, k=k, greedy=greedy, best=best)
+                                  data=data, out=out, k=k, greedy=greedy, best=best, decode=decode)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 
@@ -167,6 +169,53 @@ def serve(
 
     with guard(None, debug):
         serve_command(config, overrides, host, port, api_key, model)
+
+
+@app.command()
+def extrapolate(
+    run_dir: Path = typer.Argument(..., help="run directory: its checkpoints are the observation window"),
+    to: int = typer.Option(..., "--to", min=1, help="the RL step to extrapolate to"),
+    observe: Optional[int] = typer.Option(None, "--observe", min=1, help="use the checkpoints up to this step "
+                                          "(default: all of them)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="where to write (default RUN/extrapolated/step-N)"),
+    debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
+) -> None:
+    """RELEX: rank-1 extrapolation of RUN's checkpoints to step --to, written as a model directory to evaluate."""
+    _quiet_libraries()
+    from rollwise.relex import extrapolate_run
+
+    with guard(None, debug):
+        typer.echo(str(extrapolate_run(run_dir, to, observe=observe, out=out)))
+
+
+@app.command()
+def trajval(
+    args: Optional[list[str]] = typer.Argument(None, help="RECIPE.toml (with [[data.mix]]) [section.key=value ...]"),
+    probe_steps: int = typer.Option(..., "--probe-steps", min=1, help="steps of the probe run"),
+    floor: float = typer.Option(0.05, "--floor", help="learnability credited to a flat source (keeps it sampled)"),
+    metric: str = typer.Option("sampled", "--metric", help="held-out accuracy read: sampled or greedy"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="the probe's run directory (default "
+                                           "runs/trajval-<time>)"),
+    debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
+) -> None:
+    """TrajVal: each mixture source's learnability from a probe run; writes the weights (rollwise/trajval.py)."""
+    recipe, overrides = _split_args(list(args or []))
+    if recipe is None:
+        _fail("rollwise trajval needs a recipe with [[data.mix]] tables: rollwise trajval RECIPE --probe-steps N")
+    try:
+        cfg = load(recipe, overrides)
+    except ConfigError as exc:
+        _fail(str(exc))
+    run_dir = run_dir or Path(cfg.run.root) / f"trajval-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (run_dir / "metrics.jsonl").exists():
+        _fail(f"{run_dir} already holds a run; give another --run-dir")
+    _quiet_libraries()
+    from rollwise.trajval import run_trajval
+
+    with guard(run_dir, debug):
+        record = run_trajval(cfg, probe_steps, run_dir, floor=floor, metric=metric)
+    typer.echo(record["mix_tables"].rstrip())
+    typer.echo(f"# weights: {run_dir / 'trajval.json'}; recipe: rollwise train {record['toml']}")
 
 
 @app.command()

@@ -14,6 +14,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SecretStr, 
 
 from rollwise.errors import UserError
 from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig
+from rollwise.config_methods import ROLLOUT_STRATEGY_NAMES  # noqa: F401 (the strategy names, re-exported)
+from rollwise.config_methods import AlgoMethodKeys, RewardMethodKeys, RolloutStrategyKeys
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
@@ -133,15 +135,21 @@ class MixSource(DataConfig):
 DataConfig.model_rebuild()
 
 
-class RolloutConfig(Section):
+# the built-in entries of rollwise.rollout_strategies.ROLLOUT_STRATEGIES (a test keeps the two equal)
+
+
+class RolloutConfig(Section, RolloutStrategyKeys):
     engine: Literal["torch", "vllm", "sglang", "openai"] = Field(
         "torch", description="rollout engine: 'torch' (in-process, CPU or GPU), 'vllm' (in-process vllm.LLM, or "
         "its OpenAI server with rollout.server = 'launch' or a URL), 'sglang' / 'openai' (a running server at "
         "rollout.server)")
     server: str | None = Field(None, description="vllm: None = in-process, 'launch' = start vLLM's OpenAI server "
                                "in its own process, or the URL of one already running; sglang/openai: the URL")
-    engine_options: Options = Field(default_factory=dict, description="extra keyword arguments of the engine, "
-                                    "e.g. vllm: gpu_memory_utilization = 0.5, enforce_eager = true")
+    engine_options: dict[str, float | int | bool | str | Options] = Field(
+        default_factory=dict, description="extra keyword arguments of the engine, e.g. vllm: gpu_memory_utilization "
+        "= 0.5, enforce_eager = true, quantization = 'fp8', speculative_config = {method = 'ngram', "
+        "num_speculative_tokens = 3, prompt_lookup_max = 4}; torch: weight_quant = 'int8', draft_model = DIR "
+        "(speculative decoding with exact rejection sampling), draft_tokens = 4 (proposals per round)")
     request_timeout_s: float = Field(600.0, gt=0.0, description="server engines: time limit of one HTTP call")
     prompts_per_step: int = Field(8, gt=0)
     samples_per_prompt: int = Field(8, gt=0)
@@ -158,6 +166,16 @@ class RolloutConfig(Section):
                                            "config.toml; None = $ROLLWISE_API_KEY", json_schema_extra={
                                                "env": "ROLLWISE_API_KEY"})
 
+    @model_validator(mode="after")
+    def _adhint_samples_fit(self) -> "RolloutConfig":
+        if self.strategy == "adhint" and (self.adhint_samples or 0) >= self.samples_per_prompt:
+            raise ValueError(f"rollout.adhint_samples = {self.adhint_samples} leaves no unhinted sample of "
+                             f"{self.samples_per_prompt} per group; set it below rollout.samples_per_prompt")
+        if self.strategy == "rethink" and self.stop:
+            raise ValueError("rollout.strategy = 'rethink' continues responses that ended on a stop string, which "
+                             "the engine would see again at once; set rollout.stop = [] (EOS ends responses)")
+        return self
+
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, stop: list[str]) -> list[str]:
@@ -166,7 +184,7 @@ class RolloutConfig(Section):
         return stop
 
 
-class RewardConfig(Section):
+class RewardConfig(Section, RewardMethodKeys):
     fn: str | None = Field(None, description="reward name or 'pkg.mod:fn'; None = the task's verifier")
     format_weight: float = Field(0.0, description="weight of the format part (answer present)")
     timeout_s: float = Field(20.0, gt=0.0, description="time limit of one reward call; a reward that runs over "
@@ -195,7 +213,6 @@ class RewardConfig(Section):
                                    "N / judge_score_max, and N outside 0..judge_score_max is a failed judgement")
     judge_threshold: float = Field(0.5, ge=0.0, le=1.0, description="judge: a normalised score at or above this "
                                    "is correct")
-
 
 
 class ServeConfig(Section):
@@ -266,10 +283,10 @@ class SandboxConfig(Section):
                                    "cannot start (network and files stay visible); false = such a run stops")
 
 
-class AlgoConfig(Section):
+class AlgoConfig(Section, AlgoMethodKeys):
     """Objective by name (see docs/algorithms.md); `*_options` go to the named entry as keywords."""
 
-    advantage: str = Field("grpo", description="grpo, dr_grpo, rloo, reinforce_pp (outcome) or gae (critic)")
+    advantage: str = Field("grpo", description="grpo, dr_grpo, rloo, reinforce_pp, moa (outcome) or gae (critic)")
     loss: str = Field("ppo_clip", description="ppo_clip, dual_clip, gspo, cispo, sao, nsr, reinforce")
     loss_options: Options = Field(default_factory=dict, description="extra options, e.g. clip_c, rescue_prob")
     aggregation: str = "token_mean"
@@ -292,21 +309,20 @@ class AlgoConfig(Section):
     value_lr: float = Field(1e-3, gt=0.0, description="learning rate of the value head (a fresh layer)")
     value_clip: float | None = Field(0.2, gt=0.0, description="value-loss clip around old values; None = off")
     filter_zero_variance: bool = True
-    method: str = Field("rl", description="the method of a run without [[stage]] tables (rollwise.methods): rl, acrl, "
-                        "dcmdp or a plugin 'pkg.mod:Class'; a teacher (teacher.weights) makes it opd / opsd")
-    discrepancy_measure: Literal["k3", "abs_gap"] = Field(
-        "k3", description="acrl / dcmdp: the engine-vs-trainer discrepancy D of a step, on tokens of the current "
-        "version: k3 = KL(engine || trainer) estimate (mismatch/k3), abs_gap = mean |log-prob gap|")
-    discrepancy_target: float = Field(0.01, gt=0.0, description="dcmdp: the tolerance D may reach; acrl: the most D "
-                                      "the tokens an update trains on may have")
-    dual_lr: float = Field(10.0, gt=0.0, description="dcmdp: lambda <- clip(lambda + dual_lr x (D - target), 0, "
-                           "dual_max) after each step")
-    dual_max: float = Field(100.0, gt=0.0, description="dcmdp: lambda is kept at most this")
-    acrl_gain: float = Field(1.0, gt=0.0, le=1.0, description="acrl: the gap threshold moves this far (geometrically) "
-                             "toward the one fitted to the last step: 1 = take it, below 1 = smooth it")
-    acrl_threshold_max: float = Field(2.0, gt=0.0, description="acrl: the loosest (and first) threshold on a "
-                                      "token's |log-prob gap| (2.0: a probability ratio of e^2 = 7.4)")
-    acrl_threshold_min: float = Field(0.05, gt=0.0, description="acrl: the tightest threshold")
+
+    @model_validator(mode="after")
+    def _moa_weights(self) -> "AlgoConfig":
+        if self.advantage != "moa":
+            if self.moa_weights:
+                raise ValueError(f"algo.moa_weights is set but algo.advantage = {self.advantage!r}: set "
+                                 "algo.advantage = 'moa' or remove algo.moa_weights")
+            return self
+        if not self.moa_weights:
+            raise ValueError("algo.advantage = 'moa' needs algo.moa_weights: name the reward parts to combine, "
+                             "e.g. moa_weights = {correct = 1.0, format = 0.5}")
+        if any(not 0.0 <= w < float("inf") for w in self.moa_weights.values()) or not sum(self.moa_weights.values()):
+            raise ValueError(f"algo.moa_weights = {self.moa_weights}: weights must be finite, >= 0 and not all 0")
+        return self
 
 
 class EarlyStopConfig(Section):
@@ -356,6 +372,9 @@ class TrainConfig(Section):
     )
     early_stop: EarlyStopConfig | None = Field(None, description="stop on an evaluation metric and keep the best "
                                                "checkpoint, e.g. {metric = 'eval/greedy_accuracy', patience = 3}")
+    trainable: str = Field("all", pattern=r"^(all|layers:\d+(-\d+)?(,\d+(-\d+)?)*)$", description="which parameters "
+                           "train: 'all', or 'layers:A-B' (0-based decoder layers, e.g. 'layers:20-29' or "
+                           "'layers:3,10-12'); everything else is frozen (no gradient, no optimizer state)")
 
 
 class ControlConfig(Section):
@@ -427,12 +446,23 @@ class LoraConfig(Section):
 
 class EvalConfig(Section):
     every_steps: int = Field(10, ge=0, description="0 = only at start and end")
+    at_start: bool = Field(True, description="evaluate the starting model before step 1 (false: arms of one "
+                           "comparison share one baseline evaluation)")
     n: int = Field(256, ge=0)
     temperature: float = Field(0.7, ge=0.0)
     max_new_tokens: int | None = Field(None, gt=0, description="None = rollout.max_new_tokens")
     greedy: bool = True
     k: int = Field(1, ge=1, description="sampled responses per prompt: with k > 1 evaluations report pass@j "
                    "(unbiased, Chen et al. 2021) for j = 1, 2, 4, ... < k and k, and avg@k")
+    # `rollwise eval --decode deeplook` (rollwise.decode.deeplook): confidence-triggered lookahead and voting
+    deeplook_segment_tokens: int = Field(8, ge=1, description="deeplook: tokens per segment, the unit of confidence")
+    deeplook_drop_ratio: float = Field(0.9, gt=0.0, le=1.0, description="deeplook: look ahead when a segment's "
+                                       "confidence < this x the mean of the last deeplook_window segments")
+    deeplook_window: int = Field(4, ge=1, description="deeplook: recent segments the trigger compares with")
+    deeplook_branches: int = Field(4, ge=2, description="deeplook: lookahead branches sampled at a trigger")
+    deeplook_horizon_tokens: int = Field(16, ge=1, description="deeplook: tokens of each lookahead branch")
+    deeplook_voters: int = Field(4, ge=1, description="deeplook: traces per prompt whose final answers are voted")
+    deeplook_max_triggers: int = Field(4, ge=0, description="deeplook: lookaheads per trace at most")
 
 
 class RunConfig(Section):
@@ -468,6 +498,25 @@ class Config(Section):
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
     stage: list[StageConfig] = Field(default_factory=list, description="[[stage]] tables: kind and steps, in order")
+
+    @model_validator(mode="after")
+    def _strategy_runs_here(self) -> "Config":  # rollout.strategy (rollwise/rollout_strategies/)
+        name = self.rollout.strategy
+        if name != "plain" and (self.control.mode != "sync" or self.rollout.source != "local"
+                                or self.control.partial_rollouts or self.env.name is not None):
+            raise ValueError(f"rollout.strategy = {name!r} runs its rounds on this process's engine: set "
+                             "control.mode = 'sync', rollout.source = 'local', control.partial_rollouts = false "
+                             "and no env.name (or rollout.strategy = 'plain')")
+        if name == "tandem" and self.rollout.tandem_junior is None and self.lora.rank > 0:
+            raise ValueError("rollout.tandem_junior = None copies the initial policy, which LoRA wraps in adapters; "
+                             "name the junior's model directory in rollout.tandem_junior (e.g. model.name)")
+        if name == "eepo" and (self.lora.rank > 0 or self.train.backend != "local"):
+            raise ValueError("rollout.strategy = 'eepo' unlearns on a copy of the whole local policy: set "
+                             "lora.rank = 0 and train.backend = 'local'")
+        if (name == "adhint") != (self.algo.method == "adhint"):
+            raise ValueError("rollout.strategy = 'adhint' (hint prefixes) and algo.method = 'adhint' (their "
+                             "gradient modulation) go together: set both, or neither")
+        return self
 
 
 class ConfigError(UserError, ValueError):

@@ -65,11 +65,13 @@ def load_policy(target: str, base_name: str):
 
 def run_eval_command(model: str, task: str | None, n: int, temperature: float, max_new_tokens: int | None,
                      overrides: list[str], data: str | None = None, out: str | None = None, k: int | None = None,
-                     greedy: bool = True, best: bool = False) -> dict:
+                     greedy: bool = True, best: bool = False, decode: str = "plain") -> dict:
     """`rollwise eval`: one JSON-ready dict. `k` sampled responses per prompt (None = eval.k of the run's
     recipe, else 1): with k > 1 the result has pass@j and avg@k (and per source, under `sources`)."""
     if k is not None and k < 1:
         raise ValueError(f"--k must be at least 1, got {k}")
+    if decode not in DECODES:
+        raise ValueError(f"--decode {decode!r} is not one of {', '.join(DECODES)}")
     target, recipe = resolve_target(model, best)
     extra = [f"data.task={_quote(task)}"] if task else []
     cfg = load_config(recipe if recipe and recipe.exists() else None, overrides + extra)
@@ -99,6 +101,12 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens or cfg.rollout.max_new_tokens,
                            greedy=greedy, reward_timeout_s=cfg.reward.timeout_s, episodes=episodes,
                            keep_samples=kept, k=k)
+        if decode == "deeplook":  # the plain sampled figures above are its baseline at the same temperature
+            metrics.update(deeplook_figures(engine, prompts, reward_fn, temperature,
+                                            max_new_tokens or cfg.rollout.max_new_tokens, cfg))
+            from rollwise.decode.deeplook import vote_accuracy
+
+            metrics["deeplook/plain_vote_accuracy"] = vote_accuracy(dict(kept)["sampled"], k)
     finally:
         getattr(reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
     if out:
@@ -118,8 +126,24 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         **episode_keys,
         **per_source(metrics, {origin_of(p) for p, _ in prompts}),
         **({"out": out} if out else {}),
+        **({"sampled_tokens_per_prompt": round(metrics["eval/response_len_mean"] * k, 1)} if decode != "plain" else {}),
+        **{key.replace("/", "_"): value for key, value in metrics.items() if key.startswith("deeplook/")},
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+DECODES = ("plain", "deeplook")
+
+
+def deeplook_figures(engine, prompts, reward_fn, temperature: float, max_new_tokens: int, cfg) -> dict:
+    """`deeplook/*` of `rollwise eval --decode deeplook`, with the run's `eval.deeplook_*` settings."""
+    from rollwise.decode.deeplook import DeepLookSettings, deeplook_eval
+
+    e = cfg.eval
+    settings = DeepLookSettings(e.deeplook_segment_tokens, e.deeplook_drop_ratio, e.deeplook_window,
+                                e.deeplook_branches, e.deeplook_horizon_tokens, e.deeplook_voters,
+                                e.deeplook_max_triggers)
+    return deeplook_eval(engine, prompts, reward_fn, temperature, max_new_tokens, settings, cfg.reward.timeout_s)
 
 
 def pass_figures(metrics: dict, prefix: str) -> dict:

@@ -135,7 +135,7 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
           f"step {run.step}/{cfg.train.steps}", flush=True)
     first_eval = None
     early = EarlyStop.for_run(cfg.train.early_stop, run_dir)  # resumed: its state from the run's eval rows
-    if run.step == 0 and cfg.eval.n > 0:
+    if run.step == 0 and cfg.eval.n > 0 and cfg.eval.at_start:
         print(f"rollwise: evaluating the starting model on {len(run.eval_prompts)} held-out prompts", flush=True)
         stop.phase = "evaluation at step 0"
         first_eval = run_eval(run, early)

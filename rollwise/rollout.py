@@ -150,13 +150,15 @@ class Rollouts(Protocol):
 
 class LocalRollouts:
     """Generation in this process with the run's engine: a submitted job runs when it is waited on.
-    With `episodes`, every sample is a multi-turn episode in that environment."""
+    With `episodes`, every sample is a multi-turn episode in that environment; otherwise `strategy` (a
+    `rollwise.rollout_strategies` object, `rollout.strategy`) runs each round, or `run_groups` without one."""
 
     threads = None  # generation runs on this process's threads
 
-    def __init__(self, engine: Engine, episodes: Episodes | None = None):
+    def __init__(self, engine: Engine, episodes: Episodes | None = None, strategy=None):
         self.engine = engine
         self.episodes = episodes
+        self.strategy = strategy
         self.stats = engine.stats
         self._ids = count()
         self._jobs: dict[int, tuple] = {}
@@ -170,6 +172,8 @@ class LocalRollouts:
         start = time.perf_counter()
         if self.episodes is not None:
             stats = self.episodes.run(self.engine, groups, params, self._ids, stop)
+        elif self.strategy is not None:
+            stats = self.strategy.run(self.engine, groups, params, self._ids, stop)
         else:
             stats = run_groups(self.engine, groups, params, self._ids, stop)
         return JobResult(self.engine.version, time.perf_counter() - start, stats)
@@ -182,7 +186,9 @@ class LocalRollouts:
         self.engine.update_weights(state, version)
 
     def pop_metrics(self) -> dict[str, float]:
-        return {}
+        out = self.strategy.metrics() if self.strategy is not None else {}
+        engine_metrics = getattr(self.engine, "pop_metrics", None)  # e.g. `rollout/spec_accept_rate`
+        return {**out, **engine_metrics()} if engine_metrics is not None else out
 
     def close(self) -> None:
         self.engine.close()

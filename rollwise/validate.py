@@ -67,6 +67,9 @@ def _objective_errors(cfg: Config) -> list[str]:
     if algo.is_group_advantage(a.advantage) and cfg.rollout.samples_per_prompt < 2:
         errors.append(f"algo.advantage = {a.advantage!r} compares the samples of one prompt: "
                       "rollout.samples_per_prompt must be at least 2 (or use advantage = 'gae' with a critic)")
+    if a.advantage == "progress":  # a token advantage the progress method feeds with reference log-probs
+        errors.append("algo.advantage = 'progress' needs the reference's log-probs: set algo.method = 'progress' "
+                      "and keep algo.advantage an outcome estimator (e.g. 'grpo')")
     return errors
 
 
@@ -121,7 +124,10 @@ def _scale_out_errors(cfg: Config) -> list[str]:
                       "a server you run yourself: set cluster.ray = false")
     if sync.transport in ("safetensors", "nccl") and rollout.engine == "torch":
         errors.append(f"sync.transport = {sync.transport!r} is for vLLM; the torch engine takes 'tensors' (or 'auto')")
-    return errors + _weight_quant_errors(cfg)
+    from rollwise.generate.vllm_options import vllm_option_errors
+
+    return (errors + _weight_quant_errors(cfg) + _speculative_errors(cfg)
+            + vllm_option_errors(rollout.engine, cfg.rollout.engine_options))
 
 
 def _weight_quant_errors(cfg: Config) -> list[str]:
@@ -136,6 +142,34 @@ def _weight_quant_errors(cfg: Config) -> list[str]:
                 f"{cfg.rollout.engine!r} use that engine's own quantization option (vLLM: quantization = 'fp8')"]
     if quant not in SCHEMES:
         return [f"rollout.engine_options.weight_quant = {quant!r} is not one of {', '.join(SCHEMES)}"]
+    if cfg.control.mode == "async":  # the engine process copies raw weights from shared memory: no re-quantizing
+        return ["rollout.engine_options.weight_quant is not applied by the async engine process: set "
+                "control.mode = 'sync', or remove weight_quant"]
+    return []
+
+
+def _speculative_errors(cfg: Config) -> list[str]:
+    """`rollout.engine_options.draft_model` / `draft_tokens`: the torch engine's speculative decoding."""
+    from rollwise.config import EMBEDDED_MODEL
+
+    options = cfg.rollout.engine_options
+    draft, k = options.get("draft_model"), options.get("draft_tokens")
+    if draft is None and k is None:
+        return []
+    if cfg.rollout.engine != "torch":
+        return [f"rollout.engine_options.draft_model is the torch engine's; with rollout.engine = "
+                f"{cfg.rollout.engine!r} use that engine's speculative_config"]
+    if draft is None:
+        return ["rollout.engine_options.draft_tokens needs draft_model (a model dir sharing the policy's tokenizer)"]
+    if cfg.control.mode == "async":  # the generation process builds a plain engine from the policy alone
+        return ["rollout.engine_options.draft_model is not applied by the async engine process: set "
+                "control.mode = 'sync', or remove draft_model"]
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        return [f"rollout.engine_options.draft_tokens = {k!r}: use an integer >= 1 (tokens proposed per round)"]
+    local = isinstance(draft, str) and (Path(draft).expanduser() / "config.json").is_file()
+    if not (local or draft == EMBEDDED_MODEL):
+        return [f"rollout.engine_options.draft_model = {draft!r} is not a model directory (no config.json): use a "
+                f"local HF model dir sharing the policy's tokenizer, or {EMBEDDED_MODEL!r}"]
     return []
 
 

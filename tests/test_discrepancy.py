@@ -217,6 +217,8 @@ def test_both_names_resolve_at_dry_run(tiny_model_dir, method):
     ({"algo.method": "acrl", "train.old_logprobs": "behaviour"}, "set train.old_logprobs = 'recompute'"),
     ({"algo.method": "acrl", "algo.acrl_threshold_min": 3.0}, "algo.acrl_threshold_min = 3 is above"),
     ({"rollout.engine_options": {"weight_quant": "int4"}}, "weight_quant = 'int4' is not one of int8, fp8"),
+    ({"rollout.engine_options": {"weight_quant": "int8"}, "control.mode": "async", "algo.is_correction": "tis_token"},
+     "weight_quant is not applied by the async engine process"),
     ({"algo.method": "dcmdp", "teacher.weights": "."}, "algo.method = 'dcmdp' is the method of a run without"),
 ])
 def test_bad_settings_fail_at_dry_run_with_one_line(tiny_model_dir, overrides, message):

@@ -112,3 +112,11 @@ def test_eval_accuracy_leaves_failed_samples_out(tmp_path, tiny_model_dir):
     metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, 1.0, 8)
     assert 0 < metrics["eval/reward_errors"] < 16  # some, not all, failed
     assert metrics["eval/sampled_accuracy"] == 1.0  # every scored sample is correct
+
+
+@pytest.mark.parametrize("at_start, steps_evaluated", [(True, [0, 2]), (False, [2])])
+def test_eval_at_start_decides_the_step_0_evaluation(tmp_path, tiny_model_dir, at_start, steps_evaluated):
+    run_dir = tmp_path / "run"
+    quiet_train(tiny_config(tiny_model_dir, **{"eval.n": 4, "eval.every_steps": 0, "eval.at_start": at_start,
+                                               "train.steps": 2}), run_dir)
+    assert [r["step"] for r in read_rows(run_dir) if r["kind"] == "eval"] == steps_evaluated

@@ -18,14 +18,15 @@ PACKAGE = ROOT / "rollwise"
 
 # Lower number = lower layer. A unit may import units of its own layer or below.
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("rollwise", "types", "errors", "registry", "config", "config_distill", "config_toml", "hardware"),
+    0: ("rollwise", "types", "errors", "registry", "config", "config_distill", "config_methods", "config_toml",
+        "hardware"),
     1: ("algo",),
     2: ("models", "sandbox", "metrics", "perf"),
     3: ("data", "rewards", "generate", "train", "envs", "filter"),
     4: ("sync", "cluster", "rollout", "distill", "methods", "serve.client", "agents"),
-    5: ("control", "replay", "evaluate", "advantages", "early_stop"),
+    5: ("control", "replay", "evaluate", "advantages", "early_stop", "rollout_strategies", "relex", "decode"),
     6: ("build", "session", "validate", "names", "record"),
-    7: ("loop", "cli", "evaluate_cli", "interrupt", "serve"),
+    7: ("loop", "cli", "evaluate_cli", "interrupt", "serve", "trajval"),
 }
 LAYER = {unit: layer for layer, units in LAYERS.items() for unit in units}
 # Modules that are units of their own, apart from the package that holds them.

@@ -29,7 +29,10 @@ from rollwise.algo import aggregation as _aggregation  # noqa: F401
 from rollwise.algo import importance as _importance  # noqa: F401
 from rollwise.algo import kl as _kl  # noqa: F401
 from rollwise.algo import losses as _losses  # noqa: F401
+from rollwise.algo import progress as _progress  # noqa: F401
+from rollwise.algo import moa as _moa  # noqa: F401  (MOA: multi-objective advantages)
 from rollwise.algo import shaping as _shaping  # noqa: F401
+from rollwise.algo import slas as _slas  # noqa: F401  (SLAS: super-linear advantage shaping)
 from rollwise.algo import tool_shaping as _tool_shaping  # noqa: F401
 from rollwise.algo import value as _value  # noqa: F401
 from rollwise.algo.advantages import group_stats

@@ -17,6 +17,7 @@ through `update_weights`, as a remote engine would be.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from rollwise.generate.base import EngineCaps
 from rollwise.generate.fused_decode import FusedDecoder
 from rollwise.generate.sampling import sample_with_full_logprobs
 from rollwise.generate.slot_cache import SlotCache
+from rollwise.generate.speculative import Speculative
 from rollwise.models.arch import FULL, SLIDING, describe, exact_attention, head_logits
 from rollwise.models.compat import cache_kwargs
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
@@ -84,13 +86,16 @@ class TorchEngine:
         prefill_tokens: token budget of one prefill forward.
         fused: decode with `FusedDecoder` when the architecture supports it (else the model's own forward).
         weight_quant: "int8" or "fp8" weight-only rollouts (`rollwise.generate.quantize`; `rollout.engine_options`).
+        draft_model: a model (local dir or name) sharing the tokenizer: speculative decoding with exact rejection
+            sampling (`rollwise.generate.speculative`), `draft_tokens` proposals per round.
     """
 
     caps = EngineCaps(probe_logprobs=True, continue_aborted=True, rng_state=True, local_model=True, tensors=True,
                       request_feed=True)
 
     def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
-                 seed: int = 0, prefill_tokens: int = 4096, fused: bool = True, weight_quant: str | None = None):
+                 seed: int = 0, prefill_tokens: int = 4096, fused: bool = True, weight_quant: str | None = None,
+                 draft_model: str | None = None, draft_tokens: int = 4):
         self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         self.weight_quant = weight_quant  # int8 / fp8 weight-only rollouts (rollwise.generate.quantize), or None
         fake_quantize_(self.model, weight_quant)
@@ -114,6 +119,9 @@ class TorchEngine:
         self._layers, self._kv_heads, self._head_dim = self.arch.layers, self.arch.kv_heads, self.arch.key_dim
         eligible = fused and FusedDecoder.refusal(self.model, self.arch) is None
         self.fused = FusedDecoder(self.model, max_batch_size) if eligible else None
+        self.speculative = None if draft_model is None else Speculative(self, draft_model, draft_tokens)
+        if self.speculative is not None:
+            self.caps = dataclasses.replace(self.caps, request_feed=False)
 
     # -- protocol -----------------------------------------------------------------------------------
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -141,7 +149,9 @@ class TorchEngine:
         (results of fed requests reach `on_finish` only).
         """
         results = _Results(on_finish)
-        if requests or feed is not None:
+        if self.speculative is not None:
+            self.speculative.run(requests, results, feed)
+        elif requests or feed is not None:
             self._run(requests, results, feed)
         with self._lock:
             self._aborted.difference_update(results)
@@ -354,6 +364,10 @@ class TorchEngine:
         logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [L-1, V]
         targets = ids[0, 1:, None]
         return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1).tolist()
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Engine metrics since the last call (`rollout/spec_accept_rate` with a draft model)."""
+        return self.speculative.stats.pop() if self.speculative is not None else {}
 
     def rng_state(self) -> torch.Tensor:
         """The state of the sampling generator of unseeded requests (saved with checkpoints)."""

@@ -24,6 +24,7 @@ The process starts in its own session; `VLLMServer.stop()` ends the whole proces
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import signal
@@ -151,8 +152,8 @@ def server_command(model_dir: str | Path, port: int, dtype: str, options: dict |
             cmd.append(flag)
         elif value is False:
             cmd.append("--no-" + key.replace("_", "-"))
-        else:
-            cmd += [flag, str(value)]
+        else:  # a table (speculative_config) goes as JSON, as vLLM's CLI parses it
+            cmd += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return cmd
 
 

@@ -19,5 +19,15 @@ METHODS.register_lazy("opsd", "rollwise.methods.teacher:OPSD")
 METHODS.register_lazy("sft", "rollwise.methods.sft:SFT")
 METHODS.register_lazy("dcmdp", "rollwise.methods.discrepancy:DCMDP")
 METHODS.register_lazy("acrl", "rollwise.methods.discrepancy:ACRL")
+METHODS.register_lazy("mipu", "rollwise.methods.mipu:MIPU")
+METHODS.register_lazy("adhint", "rollwise.rollout_strategies.adhint:ADHint")  # with rollout.strategy = "adhint"
+METHODS.register_lazy("hargo", "rollwise.methods.hargo:HARGO")
+METHODS.register_lazy("echorl", "rollwise.methods.echorl:EchoRL")
+METHODS.register_lazy("progress", "rollwise.methods.progress:Progress")
+METHODS.register_lazy("rorecomp", "rollwise.methods.rorecomp:RoRecomp")
+METHODS.register_lazy("hrr", "rollwise.methods.hrr:HRR")
+METHODS.register_lazy("duet", "rollwise.methods.duet:DUET")
+METHODS.register_lazy("sgrpo", "rollwise.methods.sgrpo:SGRPO")
+METHODS.register_lazy("tree", "rollwise.methods.tree:Tree")  # with rollout.strategy = "tree"
 
 __all__ = ["METHODS", "Method", "MethodSetup", "Prepared", "Stage", "StepInput"]

@@ -65,8 +65,8 @@ class Prepared:
 @dataclass
 class MethodSetup:
     """What the run gives a method when it is built (rollwise.build): the config, the policy module, the teacher
-    (None when no stage uses one), the tokenizer and prompt encoder, and the SFT stages' demonstration sources by
-    stage index."""
+    (None when no stage uses one), the tokenizer and prompt encoder, the SFT stages' demonstration sources by
+    stage index, and the trainer backend and Sync stage (None when a method is built alone)."""
 
     cfg: Any
     policy: Any = None  # the trained model (its architecture: e.g. a final-logit soft-cap)
@@ -74,6 +74,9 @@ class MethodSetup:
     tokenizer: Any = None
     encoder: Any = None
     demo_sources: dict = field(default_factory=dict)
+    trainer: Any = None  # the run's trainer backend (a method that restores an update: MIPU)
+    sync: Any = None  # the run's Sync stage (`rollwise.sync.WeightSync`), set once built: a method that checks an
+    # update on the engine before the step's own sync (MIPU) pushes through it
 
 
 class Method:
@@ -100,7 +103,8 @@ class Method:
         return Prepared(step.samples)
 
     def after_update(self, policy) -> None:
-        """Called after the step's update of `policy` (an EMA teacher follows it)."""
+        """Called after the step's update of `policy`, before the step's sync (an EMA teacher follows it; MIPU
+        checks the update on the engine through `setup.sync` and may undo it)."""
 
     def state_dict(self) -> dict | None:
         """What a resumed run needs of this method (None: nothing)."""

@@ -26,6 +26,7 @@ from rollwise.train.logprobs import response_hidden, token_logprobs
 from rollwise.train.objective import Objective
 from rollwise.train.shared_attention import NAME as SHARED_ATTENTION
 from rollwise.train.terms import LossTerms, PolicyTerms
+from rollwise.train.trainable import freeze_for_trainer
 from rollwise.types import Sample
 
 
@@ -97,6 +98,7 @@ class Trainer:
         self.objective = Objective(algo_cfg, max_new_tokens)  # fails early on unknown names and options
         self.value_head = ValueHead(model.config.hidden_size).to(self.device) \
             if algo.is_token_advantage(algo_cfg.advantage) else None
+        self.trainable = freeze_for_trainer(self, model, train_cfg.trainable)  # a layer subset: the rest frozen
         params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if self.value_head is not None:  # a fresh layer: its own, larger learning rate
             params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})

@@ -1,0 +1,1 @@
+"""Decoding strategies at evaluation time (`rollwise eval --decode NAME`)."""

@@ -1,0 +1,90 @@
+"""vLLM's speculative decoding and quantization as `rollout.engine_options`, checked before a run starts.
+
+    rollout.engine = "vllm"
+    rollout.engine_options = { speculative_config = { method = "ngram", num_speculative_tokens = 3,
+                                                      prompt_lookup_max = 4 }, quantization = "fp8" }
+
+Both go to `vllm.LLM(**options)` unchanged (in-process engine) or to the launched server as
+`--speculative-config '<json>'` / `--quantization fp8` (`rollwise.generate.vllm_server.server_command`).
+vLLM's rejection sampler keeps the target's distribution for the draft methods; quantized rollouts differ from
+the trainer's weights by design, which the run's mismatch metrics (`mismatch/*`) and importance corrections
+(`algo.is_correction`) measure and correct, as for the torch engine's `weight_quant` (Jet-RL, QUADS).
+
+The keys are checked against the installed vLLM's own `SpeculativeConfig` fields and quantization methods;
+without vLLM installed, against the fallback lists below (vLLM 0.32's), so `--dry-run` still catches typos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# vLLM 0.32: what `--dry-run` checks against when vLLM is not importable here (a config for another machine)
+FALLBACK_SPECULATIVE_KEYS = (
+    "enforce_eager", "num_speculative_tokens", "model", "method", "draft_tensor_parallel_size",
+    "tensor_parallel_size", "quantization", "max_model_len", "revision", "code_revision", "prompt_lookup_max",
+    "prompt_lookup_min", "disable_padded_drafter_batch", "parallel_drafting", "draft_sample_method",
+    "rejection_sample_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "attention_backend", "kv_cache_dtype",
+)
+FALLBACK_QUANTIZATION = ("awq", "fp8", "fbgemm_fp8", "modelopt", "modelopt_fp4", "gptq", "gptq_marlin", "awq_marlin",
+                         "compressed-tensors", "experts_int8", "torchao", "mxfp4", "bitsandbytes", "fp_quant")
+KEYS = ("speculative_config", "quantization")
+
+
+def speculative_keys() -> tuple[tuple[str, ...], str]:
+    """(valid `speculative_config` keys, where they come from): the installed vLLM's `SpeculativeConfig` init
+    fields, else `FALLBACK_SPECULATIVE_KEYS`."""
+    try:
+        from vllm.config import SpeculativeConfig
+    except Exception:  # vLLM absent (or unimportable here): the fallback list
+        return FALLBACK_SPECULATIVE_KEYS, "vLLM 0.32 (not installed here)"
+    return tuple(f.name for f in dataclasses.fields(SpeculativeConfig) if f.init), "the installed vLLM"
+
+
+def quantization_methods() -> tuple[tuple[str, ...], str]:
+    """(valid `quantization` names, where they come from): the installed vLLM's, else `FALLBACK_QUANTIZATION`."""
+    try:
+        from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    except Exception:
+        return FALLBACK_QUANTIZATION, "vLLM 0.32 (not installed here)"
+    return tuple(QUANTIZATION_METHODS), "the installed vLLM"
+
+
+def vllm_option_errors(engine: str, options: dict) -> list[str]:
+    """One line per bad `speculative_config` / `quantization` in `rollout.engine_options` of engine `engine`."""
+    present = [k for k in KEYS if k in options]
+    if not present:
+        return []
+    if engine != "vllm":
+        hint = {"torch": "the torch engine takes draft_model / draft_tokens and weight_quant"}.get(engine, "")
+        return [f"rollout.engine_options.{k} is vLLM's; rollout.engine = {engine!r} does not take it"
+                + (f" ({hint})" if hint else "") for k in present]
+    errors = []
+    spec = options.get("speculative_config")
+    if spec is not None:
+        errors += _speculative_errors(spec)
+    quant = options.get("quantization")
+    if quant is not None:
+        names, source = quantization_methods()
+        if quant not in names:
+            errors.append(f"rollout.engine_options.quantization = {quant!r} is not a quantization method of {source}; "
+                          f"use one of {', '.join(names)}")
+    return errors
+
+
+def _speculative_errors(spec) -> list[str]:
+    if not isinstance(spec, dict):
+        return [f"rollout.engine_options.speculative_config = {spec!r}: use a table, e.g. "
+                "{ method = 'ngram', num_speculative_tokens = 3, prompt_lookup_max = 4 }"]
+    keys, source = speculative_keys()
+    unknown = sorted(set(spec) - set(keys))
+    if unknown:
+        return [f"rollout.engine_options.speculative_config has unknown keys {', '.join(unknown)} (valid in {source}: "
+                f"{', '.join(keys)})"]
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        return [f"rollout.engine_options.speculative_config.num_speculative_tokens = {k!r}: use an integer >= 1"]
+    if spec.get("model") is None and spec.get("method") is None:
+        return ["rollout.engine_options.speculative_config needs 'model' (a draft model) or 'method' "
+                "(e.g. 'ngram', 'eagle', 'mtp')"]
+    return []

@@ -1,0 +1,81 @@
+"""`progress`: the RL step with the progress advantage (`rollwise.algo.progress`, TOKEN_ADVANTAGES "progress").
+
+Per micro-batch the terms read the trainer's log-probs of the sampled tokens before the update (`own_logp`) and a
+frozen reference's (the run's starting model, `rollwise.methods.reference`), and train the token advantage
+
+    A_t = A_outcome + algo.progress_coef x P_{k(t)},   P_k = sum over step k's tokens of log pi(y_t) - log pi_ref(y_t)
+
+with steps of `algo.progress_step_tokens` trained tokens. At step 0 pi = pi_ref and the run is plain GRPO; as the
+policy moves away from its reference, steps it has come to prefer (P_k > 0) gain advantage and steps it has come
+to avoid lose it, within every response (a step-level credit that outcome advantages do not have).
+`algo.advantage` stays an outcome estimator (grpo, ...): it gives A_outcome. Set it to "progress" with the plain
+method and the trainer would treat it as a critic estimator; that is what this method is for.
+Logged: `progress/logratio_mean` (per trained token), `progress/step_abs_mean` (|P_k| per token),
+`progress/adv_shift_abs_mean` (|coef x P| per token: how far the step scores move the advantages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollwise import algo
+from rollwise.methods.base import Method, Prepared, StepInput
+from rollwise.methods.reference import FrozenReference
+from rollwise.train.batching import MicroBatch
+from rollwise.train.terms import PolicyTerms
+
+
+class ProgressTerms(PolicyTerms):
+    """Token advantages: the outcome advantage plus the step's progress (module docstring)."""
+
+    def __init__(self, reference: FrozenReference, coef: float, step_tokens: int) -> None:
+        self.reference, self.coef, self.step_tokens = reference, coef, step_tokens
+        self.cache: dict[int, tuple[MicroBatch, torch.Tensor]] = {}
+        self.sums: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.cache, self.sums = {}, {}
+
+    def advantages(self, own_logp: torch.Tensor, mb: MicroBatch, entropy: torch.Tensor | None) -> torch.Tensor:
+        if id(mb) not in self.cache:  # the reference is fixed: one pass per micro-batch of the step
+            self.cache[id(mb)] = (mb, self.reference.logprobs(mb))
+            first = True
+        else:
+            first = False
+        ref = self.cache[id(mb)][1]
+        mask = mb.loss_mask
+        ratio = (own_logp.detach().float() - ref) * mask  # [S, T]
+        adv, _ = algo.token_advantage("progress", mb.advantages, ratio, mask, coef=self.coef,
+                                      step_tokens=self.step_tokens)  # [S, T]
+        if first:
+            steps = algo.TOKEN_ADVANTAGES.get("progress")(torch.zeros_like(mb.advantages), ratio, mask, coef=1.0,
+                                                          step_tokens=self.step_tokens)[0]  # P_{k(t)} [S, T]
+            for key, value in (("tokens", mask.sum()), ("logratio", ratio.sum()), ("step_abs", steps.abs().sum())):
+                self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        return adv
+
+    def metrics(self) -> dict[str, float]:
+        n = self.sums.get("tokens", 0.0)
+        if not n:
+            return {}
+        return {"progress/logratio_mean": self.sums["logratio"] / n, "progress/step_abs_mean": self.sums["step_abs"] / n,
+                "progress/adv_shift_abs_mean": self.coef * self.sums["step_abs"] / n}
+
+
+class Progress(Method):
+    """The plain RL step with the progress advantage added per step of tokens."""
+
+    def __init__(self, setup) -> None:
+        super().__init__(setup)
+        self.reference = FrozenReference(setup.cfg, setup.policy, setup.tokenizer)
+
+    @classmethod
+    def checks(cls, cfg) -> list[str]:
+        if algo.is_token_advantage(cfg.algo.advantage):
+            return [f"algo.method = 'progress' adds step scores to outcome advantages; algo.advantage = "
+                    f"{cfg.algo.advantage!r} is token-level: use grpo, dr_grpo, rloo or reinforce_pp"]
+        return []
+
+    def prepare(self, step: StepInput) -> Prepared:
+        a = self.setup.cfg.algo
+        return Prepared(step.samples, ProgressTerms(self.reference, a.progress_coef, a.progress_step_tokens))
