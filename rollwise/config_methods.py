@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-ROLLOUT_STRATEGY_NAMES = ("plain", "rethink", "adhint", "tandem", "eepo", "tree")
+ROLLOUT_STRATEGY_NAMES = ("plain", "rethink", "adhint", "tandem", "eepo", "tree", "duet")
 
 
 class RolloutStrategyKeys(BaseModel):
@@ -19,7 +19,8 @@ class RolloutStrategyKeys(BaseModel):
     strategy: str = Field("plain", description="rollout strategy: 'plain' (one engine call per round), 'rethink' "
                           "(Forced Rethinking), 'adhint' (ADHint hint prefixes), 'tandem' (Tandem RL: a frozen junior "
                           "writes some segments), 'eepo' (EEPO: the second half of each group from an unlearned "
-                          "copy), 'tree' (rStar-Math / MedS3 tree-search rollouts), or a plugin "
+                          "copy), 'tree' (rStar-Math / MedS3 tree-search rollouts), 'duet' (DUET, with algo.method "
+                          "= 'duet'), or a plugin "
                           "'package.module:factory'")
     rethink_trigger: str = Field("\nWait, let me check.", min_length=1, description="rethink: text appended (loss "
                                  "mask 0) to a completed response before it is continued")
@@ -36,9 +37,9 @@ class RolloutStrategyKeys(BaseModel):
                                  "own tokens (its advantage is scaled by it); 1 = no modulation")
     adhint_momentum: float = Field(0.5, ge=0.0, lt=1.0, description="adhint: running accuracy per prompt (and "
                                    "overall) = momentum x old + (1 - momentum) x the new group's accuracy")
-    duet_budget_tokens: int = Field(0, ge=0, description="duet (rollout.strategy 'rollwise.methods.duet:"
-                                    "duet_strategy'): rollout tokens one generation round may spend; the rollouts it "
-                                    "buys go to prompts by informativeness; 0 = samples_per_prompt for every prompt")
+    duet_budget_tokens: int = Field(0, ge=0, description="duet (rollout.strategy 'duet'): rollout tokens one "
+                                    "generation round may spend; the rollouts it buys go to prompts by "
+                                    "informativeness; 0 = samples_per_prompt for every prompt")
     duet_min_samples: int = Field(2, ge=2, description="duet: rollouts every prompt gets, whatever its "
                                   "informativeness")
     duet_abort_tokens: int = Field(0, ge=0, description="duet: a rollout that has not written duet_marker after this "

@@ -21,30 +21,12 @@ from rollwise.generate.torch_engine import TorchEngine
 from rollwise.loop import train
 from rollwise.rollout_strategies import ROLLOUT_STRATEGIES
 from rollwise.rollout_strategies.tree import Node, TreeStrategy, backup, uct_child
-from rollwise.types import GenerationResult, Prompt, RewardResult, SamplingParams, Status
+from rollwise.types import Prompt, RewardResult, SamplingParams, Status
 from rollwise.validate import load
+from test_rollout_strategies import EOS, ScriptedEngine
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "seed" / "tree.toml"
-EOS, NEWLINE = 2, 10
-
-
-class ScriptedEngine:
-    """Answers request k of call c with `script[c][k]` new tokens, log-prob -(token / 10) each; a response
-    ending in EOS is COMPLETED, else TRUNCATED. Keeps every request it got."""
-
-    eos_ids = {EOS}
-
-    def __init__(self, script):
-        self.script, self.calls = script, []
-
-    def generate(self, requests, on_finish):
-        new = self.script[len(self.calls)]
-        self.calls.append(requests)
-        for k, req in enumerate(requests):
-            ids = list(req.response_ids) + new[k]
-            status = Status.COMPLETED if new[k] and new[k][-1] == EOS else Status.TRUNCATED
-            on_finish(GenerationResult(req.request_id, ids, list(req.response_logprobs) + [-t / 10 for t in new[k]],
-                                       status, [(len(req.response_ids), len(ids), 0)], text=str(ids)))
+NEWLINE = 10  # EOS = 2, as in test_rollout_strategies
 
 
 def _has_seven(sample) -> RewardResult:

@@ -112,3 +112,14 @@ class Method:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def outcome_advantage_errors(method: str, cfg, what: str) -> list[str]:
+    """One `--dry-run` line when `algo.advantage` is token-level for a method that works on outcome advantages
+    (`what`: what the method does with them, e.g. "reweights outcome advantages")."""
+    from rollwise import algo
+
+    if not algo.is_token_advantage(cfg.algo.advantage):
+        return []
+    return [f"algo.method = {method!r} {what}; algo.advantage = {cfg.algo.advantage!r} is token-level: use grpo, "
+            "dr_grpo, rloo or reinforce_pp"]

@@ -3,7 +3,7 @@ controlled along two axes at once: how many rollouts each prompt gets, from a ch
 informativeness, and when a rollout stops, by a marker-gated abort rule with importance reweighting of what
 remains.
 
-Two halves, set together (`rollout.strategy = "rollwise.methods.duet:duet_strategy"` and `algo.method = "duet"`;
+Two halves, set together (`rollout.strategy = "duet"` and `algo.method = "duet"`;
 --dry-run checks the method's side, the strategy refuses to start without the method):
 
 - `DuetStrategy` (the rollout, a `rollout.strategy` plugin):
@@ -42,15 +42,14 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import count
 
-from rollwise import algo
 from rollwise.errors import UserError
 from rollwise.generate.groups import GenerateStats, StopRule, is_complete
-from rollwise.methods.base import Prepared, StepInput
+from rollwise.methods.base import Prepared, StepInput, outcome_advantage_errors
 from rollwise.methods.rl import RL
 from rollwise.rollout import run_groups
 from rollwise.types import Group, Prompt, SamplingParams, Status
 
-DUET_STRATEGY = "rollwise.methods.duet:duet_strategy"
+DUET_STRATEGY = "duet"  # ROLLOUT_STRATEGIES entry (rollwise.rollout_strategies) of `duet_strategy` below
 FLOOR = 1e-3  # informativeness floor in the allocation (see the module docstring)
 
 
@@ -181,10 +180,7 @@ class DUET(RL):
         if r.duet_abort_tokens >= r.max_new_tokens:
             errors.append(f"rollout.duet_abort_tokens = {r.duet_abort_tokens} is not below rollout.max_new_tokens = "
                           f"{r.max_new_tokens}: the abort rule would never act; lower it, or 0 to turn it off")
-        if algo.is_token_advantage(cfg.algo.advantage):
-            errors.append(f"algo.method = 'duet' weighs outcome advantages; algo.advantage = {cfg.algo.advantage!r} "
-                          "is token-level: use grpo, dr_grpo, rloo or reinforce_pp")
-        return errors
+        return errors + outcome_advantage_errors("duet", cfg, "weighs outcome advantages")
 
     def prepare(self, step: StepInput) -> Prepared:
         kept, weights = [], []

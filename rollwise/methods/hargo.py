@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from rollwise.methods.base import Method, Prepared, StepInput
+from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.methods.reference import FrozenReference
 
 
@@ -66,12 +66,7 @@ class HARGO(Method):
 
     @classmethod
     def checks(cls, cfg) -> list[str]:
-        from rollwise import algo
-
-        if algo.is_token_advantage(cfg.algo.advantage):
-            return [f"algo.method = 'hargo' reweights outcome advantages; algo.advantage = {cfg.algo.advantage!r} is "
-                    "token-level: use grpo, dr_grpo, rloo or reinforce_pp"]
-        return []
+        return outcome_advantage_errors("hargo", cfg, "reweights outcome advantages")
 
     def prepare(self, step: StepInput) -> Prepared:
         samples = step.samples

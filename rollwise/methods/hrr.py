@@ -43,9 +43,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from rollwise import algo
 from rollwise.data.tasks import task_factory, text_uid, user_prompt
-from rollwise.methods.base import Method, Prepared, StepInput
+from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.rewards.scoring import build_reward_fn, score_batch
 from rollwise.rewards.verifiers import final_integer
 from rollwise.types import Prompt, Sample, Status
@@ -115,10 +114,7 @@ class HRR(Method):
         if cfg.algo.is_correction != "none":
             errors.append(f"algo.method = 'hrr': algo.is_correction = {cfg.algo.is_correction!r} weighs by the "
                           "engine's log-probs, taken under the original prompt; set algo.is_correction = 'none'")
-        if algo.is_token_advantage(cfg.algo.advantage):
-            errors.append(f"algo.method = 'hrr' sets outcome advantages; algo.advantage = {cfg.algo.advantage!r} is "
-                          "token-level: use grpo, dr_grpo, rloo or reinforce_pp")
-        return errors
+        return errors + outcome_advantage_errors("hrr", cfg, "sets outcome advantages")
 
     def prepare(self, step: StepInput) -> Prepared:
         cfg = self.setup.cfg

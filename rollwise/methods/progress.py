@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from rollwise import algo
-from rollwise.methods.base import Method, Prepared, StepInput
+from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.methods.reference import FrozenReference
 from rollwise.train.batching import MicroBatch
 from rollwise.train.terms import PolicyTerms
@@ -71,10 +71,7 @@ class Progress(Method):
 
     @classmethod
     def checks(cls, cfg) -> list[str]:
-        if algo.is_token_advantage(cfg.algo.advantage):
-            return [f"algo.method = 'progress' adds step scores to outcome advantages; algo.advantage = "
-                    f"{cfg.algo.advantage!r} is token-level: use grpo, dr_grpo, rloo or reinforce_pp"]
-        return []
+        return outcome_advantage_errors("progress", cfg, "adds step scores to outcome advantages")
 
     def prepare(self, step: StepInput) -> Prepared:
         a = self.setup.cfg.algo

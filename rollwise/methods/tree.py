@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rollwise import algo
-from rollwise.methods.base import Method, Prepared, StepInput
+from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.train.batching import MicroBatch
 from rollwise.train.terms import PolicyTerms
 
@@ -82,10 +81,7 @@ class Tree(Method):
         if cfg.rollout.strategy != "tree":
             errors.append("algo.method = 'tree' trains on the step values of tree-search rollouts: set "
                           "rollout.strategy = 'tree'")
-        if algo.is_token_advantage(cfg.algo.advantage):
-            errors.append(f"algo.method = 'tree' mixes step values with an outcome advantage; algo.advantage = "
-                          f"{cfg.algo.advantage!r} is token-level: use grpo, dr_grpo, rloo or reinforce_pp")
-        return errors
+        return errors + outcome_advantage_errors("tree", cfg, "mixes step values with an outcome advantage")
 
     def prepare(self, step: StepInput) -> Prepared:
         return Prepared(step.samples, TreeTerms(self.setup.cfg.algo.tree_value_coef))

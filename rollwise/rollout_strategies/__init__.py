@@ -60,6 +60,7 @@ ROLLOUT_STRATEGIES.register_lazy("adhint", "rollwise.rollout_strategies.adhint:a
 ROLLOUT_STRATEGIES.register_lazy("tandem", "rollwise.rollout_strategies.tandem:tandem_strategy")
 ROLLOUT_STRATEGIES.register_lazy("eepo", "rollwise.rollout_strategies.eepo:eepo_strategy")
 ROLLOUT_STRATEGIES.register_lazy("tree", "rollwise.rollout_strategies.tree:tree_strategy")
+ROLLOUT_STRATEGIES.register_lazy("duet", "rollwise.methods.duet:duet_strategy")  # with algo.method = "duet"
 
 
 class PlainStrategy:
