@@ -245,6 +245,7 @@ def build_rollouts(run: Run, generation_threads: int):
                           "samples are multi-turn episodes: set rollout.strategy = 'plain' or a single-turn task")
     strategy = None if run.episodes is not None else build_strategy(  # rollout.strategy (rollwise.rollout_strategies)
         cfg, StrategyContext(run.tokenizer, run.model, cfg.train.seed, reward_fn=run.reward_fn))
+    run.strategy = strategy  # its state (running rates, RNG) goes into checkpoints
     rollouts = own(run.engine) if own is not None else LocalRollouts(run.engine, run.episodes, strategy)
     if cfg.rollout.source == "service":  # generation by a `rollwise serve` elsewhere (rollwise/serve/client.py)
         from rollwise.serve.client import service_rollouts

@@ -155,8 +155,9 @@ class AlgoMethodKeys(BaseModel):
     moa_weights: dict[str, float] = Field(default_factory=dict, description="moa: weight of each reward part "
                                           "(by name, e.g. {correct = 1.0, format = 0.5}); each part is normalised "
                                           "within its group before the weighted sum")
-    sgrpo_coef: float = Field(0.5, ge=0.0, description="sgrpo: weight of the set-level diversity credit added to "
-                              "the utility reward")
+    sgrpo_coef: float = Field(0.1, ge=0.0, description="sgrpo: weight of the set-level diversity credit added to "
+                              "the utility reward (one reply's credit can reach sets' size x D: at 0.5 it outweighs "
+                              "a 0/1 utility)")
     sgrpo_ngram: int = Field(2, ge=1, le=8, description="sgrpo: n of the distinct token n-grams that measure a "
                              "set's diversity")
     sgrpo_sets: int = Field(2, ge=1, description="sgrpo: candidate sets each prompt's responses are split into "

@@ -83,6 +83,7 @@ def evaluate(
     episodes=None,
     keep_samples: list | None = None,
     k: int = 1,
+    stop: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """`k` responses per prompt at `temperature` (and one greedy), each reward call limited to `reward_timeout_s`
     (`reward.timeout_s`). With `episodes` (rollwise.rollout.Episodes) each response is a multi-turn episode in
@@ -93,13 +94,14 @@ def evaluate(
     `Prompt.origin`, the accuracies, pass@j, avg@k and n again as `eval/<origin>/...`.
     An accuracy is None when every reward of that mode failed (the errors are counted, never scored 0).
     `keep_samples`, when given, receives `(mode, samples)` for each mode (`rollwise eval --out`).
+    `stop` (`rollout.stop`) ends responses as it does in training, so evaluation decodes what training decodes.
     """
     if k < 1:
         raise ValueError(f"eval.k must be at least 1, got {k}")
     out: dict[str, float] = {"eval/n": float(len(prompts))}
     modes = [("sampled", temperature, k)] + ([("greedy", 0.0, 1)] if greedy else [])
-    per_mode = _episode_samples(engine, prompts, modes, max_new_tokens, episodes) if episodes is not None else \
-        _one_turn_samples(engine, prompts, modes, max_new_tokens)
+    per_mode = _episode_samples(engine, prompts, modes, max_new_tokens, episodes, stop) if episodes is not None \
+        else _one_turn_samples(engine, prompts, modes, max_new_tokens, stop)
     by_origin: dict[str, dict[str, float | None]] = {}
     for (label, _, n_samples), groups in zip(modes, per_mode):
         samples = [s for g in groups for s in g]
@@ -162,18 +164,19 @@ def metric_names(k: int, greedy: bool) -> list[str]:
     return [*SAMPLED_KEYS, *(GREEDY_KEYS if greedy else ()), *figures]
 
 
-def _mode_params(modes, max_new_tokens: int) -> list[list[SamplingParams]]:
+def _mode_params(modes, max_new_tokens: int, stop: tuple[str, ...]) -> list[list[SamplingParams]]:
     """The sampling params of each response of one prompt, per mode. Sample j of a mode draws with seed
     EVAL_SEED + j: its own stream on every engine (a server seeds each request by itself, so one seed for the
     k samples of a prompt would make them the same response)."""
-    return [[SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=EVAL_SEED + j) for j in range(n)]
-            for _, t, n in modes]
+    return [[SamplingParams(max_new_tokens=max_new_tokens, temperature=t, stop=stop, seed=EVAL_SEED + j)
+             for j in range(n)] for _, t, n in modes]
 
 
-def _one_turn_samples(engine: Engine, prompts, modes, max_new_tokens: int) -> list[list[list[Sample]]]:
+def _one_turn_samples(engine: Engine, prompts, modes, max_new_tokens: int,
+                      stop: tuple[str, ...]) -> list[list[list[Sample]]]:
     """Per mode, per prompt, its samples. One engine call, the responses of each prompt next to each other:
     they share that prompt's prefill."""
-    params = [p for mode in _mode_params(modes, max_new_tokens) for p in mode]
+    params = [p for mode in _mode_params(modes, max_new_tokens, stop) for p in mode]
     width = len(params)
     requests = [GenerationRequest(i * width + j, ids, p) for i, (_, ids) in enumerate(prompts)
                 for j, p in enumerate(params)]
@@ -186,13 +189,14 @@ def _one_turn_samples(engine: Engine, prompts, modes, max_new_tokens: int) -> li
     return out
 
 
-def _episode_samples(engine: Engine, prompts, modes, max_new_tokens: int, episodes) -> list[list[list[Sample]]]:
+def _episode_samples(engine: Engine, prompts, modes, max_new_tokens: int, episodes,
+                     stop: tuple[str, ...]) -> list[list[list[Sample]]]:
     """Per mode, per prompt, its episodes: one run of the episodes per mode, the k episodes of a prompt one
     group drawing from one seeded stream (distinct draws on the torch and vLLM engines)."""
     out = []
     ids = count()
     for _, temperature, n in modes:
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=EVAL_SEED)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop, seed=EVAL_SEED)
         groups = new_groups(prompts, n, 0)
         episodes.run(engine, groups, params, ids)
         out.append([g.samples for g in groups])

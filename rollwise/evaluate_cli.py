@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from rollwise import sandbox
-from rollwise.config import load_config
+from rollwise.config_load import load_config
 from rollwise.validate import validate
 from rollwise.envs import build_env
 from rollwise.envs.episode import final_text, transcript
@@ -100,7 +100,7 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
     try:
         metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens or cfg.rollout.max_new_tokens,
                            greedy=greedy, reward_timeout_s=cfg.reward.timeout_s, episodes=episodes,
-                           keep_samples=kept, k=k)
+                           keep_samples=kept, k=k, stop=tuple(cfg.rollout.stop))
         if decode == "deeplook":  # the plain sampled figures above are its baseline at the same temperature
             metrics.update(deeplook_figures(engine, prompts, reward_fn, temperature,
                                             max_new_tokens or cfg.rollout.max_new_tokens, cfg))

@@ -149,6 +149,7 @@ def _check_mix(cfg: Config) -> None:
     """`[[data.mix]]`: each table's source, reward and name; a [data] key other than the shared ones set to
     anything but its default (it would apply to no source); one line for the first problem."""
     from rollwise.config import DataConfig
+    from rollwise.rewards.scoring import reward_setting_errors
     from rollwise.rewards.verifiers import REWARDS
 
     data, defaults = cfg.data, DataConfig()
@@ -178,6 +179,9 @@ def _check_mix(cfg: Config) -> None:
         if entry.reward is not None:
             _check_reasoning_gym_reward(entry.reward, f"{label}: reward")
             _lookup(REWARDS, entry.reward, f"{label}: reward")
+            errors = reward_setting_errors(cfg.reward, entry.reward)  # e.g. the judge's reward.judge_* settings
+            if errors:
+                raise ConfigError(f"{label}: reward {entry.reward!r}: {errors[0]}")
 
 
 def _check_source(key: str, name: str) -> None:

@@ -86,7 +86,7 @@ def extrapolate_run(run_dir: Path, to_step: int, observe: int | None = None, out
     """Write RUN's rank-1 extrapolation to step `to_step` as an HF model directory; returns its path."""
     from safetensors import safe_open
 
-    from rollwise.config import load_config
+    from rollwise.config_load import load_config
     from rollwise.models import load_model
 
     run_dir = Path(run_dir)

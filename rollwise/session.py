@@ -21,6 +21,7 @@ import torch
 from rollwise.config import Config
 from rollwise.control import Controller
 from rollwise.data import PromptEncoder, PromptSource
+from rollwise.data.errors import DatasetError
 from rollwise.distill.guards import Guards
 from rollwise.generate.base import Engine
 from rollwise.metrics import MetricsWriter
@@ -63,6 +64,7 @@ class Run:
     episodes: Episodes | None = None  # multi-turn episodes (env.name or the task's environment); None = one turn
     plan: MethodPlan | None = None  # the stage and method of every step
     guards: Guards | None = None  # repetition and the truncation-collapse alarm
+    strategy: Any = None  # the rollout strategy in this process (rollout.strategy); None for episodes
 
     @property
     def step(self) -> int:
@@ -112,7 +114,8 @@ def encode_eval_prompts(source: PromptSource, encoder: PromptEncoder, n: int,
     `rollwise: data: 64 rows in my.jsonl -> 48 train, 16 held-out (...); eval.n=200 -> 16`. It goes to stderr
     unless `to_stdout` (`rollwise eval` keeps stdout for its one JSON object). `n` is capped at the source's
     `num_eval` when it has one; a source without it raises its own error for too large an `n`.
-    ValueError when n > 0 and no prompt is left to evaluate (empty split, or all over data.max_prompt_tokens).
+    DatasetError (a ValueError) when n > 0 and no prompt is left to evaluate (empty split, or all over
+    data.max_prompt_tokens).
     """
     available = getattr(source, "num_eval", None)
     used = n if available is None else min(n, available)
@@ -122,11 +125,11 @@ def encode_eval_prompts(source: PromptSource, encoder: PromptEncoder, n: int,
     encoder.dropped = dropped_before  # count only training drops in data/ metrics
     summary = source.split_summary() if hasattr(source, "split_summary") else f"task {source.name}"
     if n > 0 and used == 0:
-        raise ValueError(f"data: {summary}; eval.n={n} needs held-out prompts: give data.eval_path, or set "
+        raise DatasetError(f"data: {summary}; eval.n={n} needs held-out prompts: give data.eval_path, or set "
                          f"eval.n = 0 to train on every row without evaluation")
     if n > 0 and not out:
-        raise ValueError(f"data: all {used} held-out prompts are longer than data.max_prompt_tokens="
-                         f"{encoder.max_prompt_tokens}; raise it")
+        raise DatasetError(f"data: all {used} held-out prompts are longer than data.max_prompt_tokens="
+                           f"{encoder.max_prompt_tokens}; raise it")
     tail = "eval.n=0: evaluation off" if n == 0 else f"eval.n={n}" + (f" -> {used}" if used < n else "")
     if too_long:
         tail += f" ({too_long} over data.max_prompt_tokens={encoder.max_prompt_tokens} left out: {len(out)} used)"
@@ -160,6 +163,7 @@ def trainer_state(run: Run) -> dict[str, Any]:
         "guards": run.guards.state_dict(),
         "teacher": plan["teacher"],  # an EMA teacher's weights
         "methods": plan["methods"],
+        "strategy": run.strategy.state_dict() if hasattr(run.strategy, "state_dict") else None,
         "elapsed_s": time.time() - run.started_at,
     }
 
@@ -190,7 +194,9 @@ def restore_state(run: Run, state: dict[str, Any], checkpoint: Path) -> None:
 
 
 def restore_loop_state(run: Run, state: dict[str, Any]) -> None:
-    """The reward guard's and the controller's state (restored once they are built)."""
+    """The reward guard's, the controller's and the rollout strategy's state (restored once they are built)."""
+    if state.get("strategy") is not None and hasattr(run.strategy, "load_state_dict"):
+        run.strategy.load_state_dict(state["strategy"])
     if state.get("reward_guard") is not None:
         run.reward_guard.load_state_dict(state["reward_guard"])
     if state.get("controller") is not None:

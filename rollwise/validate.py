@@ -1,6 +1,6 @@
 """The validation step above parsing: every check across keys, and every registry name, before any work.
 
-`rollwise.config.load_config` parses (keys, types, ranges); `validate(cfg)` checks what a run can do with it:
+`rollwise.config_load.load_config` parses (keys, types, ranges); `validate(cfg)` checks what a run can do with it:
 
 - keys that contradict each other (`run_errors`: off-policy sources without a correction, engines and
   transports that do not fit, scale-out combinations);
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollwise.config import Config, ConfigError, load_config
+from rollwise.config import Config, ConfigError
+from rollwise.config_load import load_config
 
 
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

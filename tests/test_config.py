@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rollwise.validate import load
-from rollwise.config import Config, ConfigError, load_config, valid_keys
+from rollwise.config import Config, ConfigError
+from rollwise.config_load import load_config, valid_keys
 from rollwise.config_toml import to_toml
 
 RECIPES = sorted((Path(__file__).resolve().parent.parent / "recipes").glob("*.toml"))

@@ -278,3 +278,53 @@ def test_the_judge_key_is_never_printed(tiny_model_dir):
         "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "sk-NOT-SHOWN" not in result.output and "give it as $ROLLWISE_JUDGE_API_KEY" in result.output
+
+
+# --- the judge as the reward of a [[data.mix]] source ----------------------------------------------------------
+
+MIX_WITH_JUDGE = """
+[data]
+[[data.mix]]
+task = "arith"
+name = "exact"
+eval_size = 20
+
+[[data.mix]]
+task = "arith"
+name = "judged"
+reward = "judge"
+eval_size = 20
+"""
+
+
+def test_a_mixture_source_scored_by_the_judge_trains_with_its_samples_judged_together(tmp_path, tiny_model_dir,
+                                                                                     scripted, monkeypatch):
+    """`rollwise train` of a two-source mixture whose second source's reward is the judge: the judge is built
+    from the [reward] settings (before, the mixture called the bare `judge` and every sample failed), its
+    samples reach the server together (concurrent requests, batched generate calls), they all score 0.7, and
+    the first source keeps its own arith reward."""
+    engine, server = scripted
+    monkeypatch.setenv("ROLLWISE_JUDGE_API_KEY", KEY)
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text(MIX_WITH_JUDGE)
+    overrides = tiny_overrides(tiny_model_dir, **{"reward.judge_url": server.url + "/v1", "eval.n": 0,
+                                                  "train.steps": 1, "data.eval_size": None})
+    result = CliRunner().invoke(app, ["train", str(recipe), *overrides, "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    row = next(r for r in read_rows(tmp_path / "run") if r["kind"] == "train")
+    assert row["reward/errors"] == 0.0 and row["reward/judged/mean"] == pytest.approx(0.7)
+    assert row["reward/judged/samples"] == 8.0 and row["reward/exact/samples"] == 8.0
+    assert sum(engine.batches) == 8 and max(engine.batches) >= 2, engine.batches
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({}, '[[data.mix]] number 2 ("judged"): reward \'judge\': reward.fn = \'judge\' needs reward.judge_url'),
+    ({"reward.judge_url": "http://x/v1", "reward.isolate": True}, "set reward.isolate = false"),
+])
+def test_a_mixture_judge_without_its_settings_fails_at_dry_run(tmp_path, tiny_model_dir, extra, message):
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text(MIX_WITH_JUDGE)
+    result = CliRunner().invoke(app, ["train", str(recipe), "--dry-run",
+                                      *tiny_overrides(tiny_model_dir, **{"data.eval_size": None, **extra})])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output

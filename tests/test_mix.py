@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import read_rows, tiny_overrides
 from rollwise.cli import app
-from rollwise.config import load_config
+from rollwise.config_load import load_config
 from rollwise.data import build_prompt_source
 from rollwise.data.mix import MixtureSource
 from rollwise.metrics import write_report

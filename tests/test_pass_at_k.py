@@ -164,3 +164,24 @@ def test_eval_metrics_per_source_when_prompts_have_several_origins(tiny_model_di
         p.origin = "one"
     toy_eval_plugins.reset_quota()
     assert not [key for key in evaluate(engine, prompts, reward, 0.7, 4, k=4) if key.startswith("eval/one/")]
+
+
+def test_rollwise_eval_ends_responses_at_rollout_stop_as_training_does(tmp_path, tiny_model_dir):
+    """`rollout.stop` applies to evaluation too: with a stop string taken from the unstopped responses, every
+    response that held it ends there (none still contains it) and responses get shorter."""
+    overrides = [o for o in tiny_overrides(tiny_model_dir) if not o.startswith("model.name=")]
+
+    def run(name: str, *extra: str) -> tuple[dict, list[dict]]:
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["eval", "--model", str(tiny_model_dir), "--n", "8", "--k", "2",
+                                          "--max-new-tokens", "12", "--out", str(out), *overrides, *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1]), [json.loads(x) for x in out.read_text().splitlines()]
+
+    plain, plain_rows = run("plain.jsonl")
+    finals = [r["final"] for r in plain_rows]
+    stop = max({c for f in finals for c in f if not c.isspace()}, key=lambda c: sum(c in f for f in finals))
+    assert sum(stop in f for f in finals) >= 4  # the stop string occurs in several unstopped responses
+    stopped, rows = run("stop.jsonl", f"rollout.stop={json.dumps([stop])}")
+    assert not any(stop in r["final"] for r in rows)
+    assert stopped["response_len_mean"] < plain["response_len_mean"]

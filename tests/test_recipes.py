@@ -87,7 +87,10 @@ def test_recipe_runs_two_steps(name, tmp_path, tiny_model_dir):
         assert rows[0]["stage/index"] == 0 and 0 <= rows[0]["sft/accepted_frac"] <= 1
         rows = rows[1:]
     for row in rows:
-        assert math.isfinite(row["train/loss"]), (name, row)
+        if name == "reasoning_gym" and row["train/loss"] is None:  # an exact name: the random model never scores,
+            assert row["reward/std"] == 0.0, row  # every group is uniform and nothing trains
+        else:
+            assert math.isfinite(row["train/loss"]), (name, row)
         for key in EXPECTED[name]:
             assert row.get(key) is not None and math.isfinite(row[key]), (name, key, row)
 

@@ -429,3 +429,37 @@ def test_bad_settings_fail_at_dry_run_with_one_line(tiny_model_dir, overrides, m
     result = CliRunner().invoke(app, ["train", "--dry-run", *tiny_overrides(tiny_model_dir, **overrides)])
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+# --- resume ----------------------------------------------------------------------------------------------------
+
+
+def _resumed_rows(model_dir, run_dir, **settings) -> list[dict]:
+    _rows(model_dir, run_dir, **{**settings, "train.steps": 2})
+    cfg = tiny_config(model_dir, **{"eval.n": 0, "run.report": False, **settings})
+    with contextlib.redirect_stdout(io.StringIO()):
+        train(cfg, run_dir, resume=True)
+    return [r for r in read_rows(run_dir) if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, keys", [
+    ("adhint", ["adhint/accuracy_prior", "adhint/ratio_mean", "adhint/hinted_frac"]),
+    ("rethink", ["rethink/samples_frac", "rethink/continuation_tokens_mean"]),
+])
+def test_a_resumed_run_goes_on_with_the_strategys_state(strategy, keys, tiny_model_dir, eos_model_dir, tmp_path):
+    """A strategy's running rates (ADHint) and its own RNG (rethink's choice of responses) are in the checkpoint:
+    steps 3 and 4 of a run resumed at step 2 equal those of the uninterrupted run."""
+    settings = {"rollout.strategy": strategy, "reward.fn": "toy_plugins:digit_fraction", "train.steps": 4,
+                "run.save_every_steps": 2}
+    if strategy == "adhint":
+        model_dir = tiny_model_dir
+        settings.update({"algo.method": "adhint", "rollout.adhint_samples": 2, "rollout.adhint_max_ratio": 1.0})
+    else:
+        model_dir = eos_model_dir
+        settings.update({"rollout.rethink_fraction": 0.5, "rollout.rethink_max_new_tokens": 4})
+    straight = _rows(model_dir, tmp_path / "straight", **settings)
+    resumed = _resumed_rows(model_dir, tmp_path / "resumed", **settings)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in keys:
+        assert [r[key] for r in resumed[2:]] == [r[key] for r in straight[2:]], key

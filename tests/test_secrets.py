@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from rollwise.validate import load
 from rollwise.cli import app
-from rollwise.config import ConfigError, load_config
+from rollwise.config import ConfigError
+from rollwise.config_load import load_config
 from rollwise.config_toml import to_toml
 
 SERVICE_KEY = "sekrit-service-" + uuid.uuid4().hex

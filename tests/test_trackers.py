@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rollwise.validate import load
-from rollwise.config import Config, ConfigError, load_config
+from rollwise.config import Config, ConfigError
+from rollwise.config_load import load_config
 from rollwise.metrics import build_sinks, read_metrics
 from rollwise.metrics.sinks import MLFLOW_ID_FILE, WANDB_ID_FILE, flatten_config, tracker_scalars
 

@@ -155,6 +155,18 @@ class DuetStrategy:
         out, self._metrics = self._metrics, {}
         return out
 
+    def state_dict(self) -> dict:
+        """The surrogate (pass rates, overall rate, tokens per rollout), the last round's scored samples folded in
+        as the next `run` would fold them first: a resumed run allocates as the uninterrupted one does."""
+        self.observe(self._last)
+        self._last = []
+        return {"pass_rate": dict(self.pass_rate), "overall": self.overall,
+                "tokens_per_rollout": self.tokens_per_rollout}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pass_rate, self.overall = dict(state["pass_rate"]), float(state["overall"])
+        self.tokens_per_rollout = float(state["tokens_per_rollout"])
+
 
 def duet_strategy(cfg, context=None) -> DuetStrategy:
     """The `rollout.strategy` factory of DUET; the method half (`algo.method = "duet"`) must run with it."""

@@ -112,7 +112,7 @@ def score_batch(samples: list[Sample], fn: RewardFn, timeout_s: float | None = D
             raise RuntimeError(f"{getattr(fn, '__name__', type(fn).__name__)}.score_many returned {len(outcomes)} "
                                f"outcomes for {len(todo)} samples")
     else:
-        outcomes = [_call_in_process(fn, s, timeout_s) for s in todo]
+        outcomes = [call_in_process(fn, s, timeout_s) for s in todo]
     outcomes = iter(outcomes)
     outcomes = [failed_env[i] if i in failed_env else next(outcomes) for i in range(len(samples))]
     scored = []
@@ -150,7 +150,8 @@ def _checked(outcome: Any) -> RewardResult | BaseException:
         return exc
 
 
-def _call_in_process(fn: RewardFn, sample: Sample, timeout_s: float | None) -> RewardResult | BaseException:
+def call_in_process(fn: RewardFn, sample: Sample, timeout_s: float | None) -> RewardResult | BaseException:
+    """One call of `fn` in this process within `timeout_s`: its result, or the exception it failed with."""
     try:
         return call_reward(fn, sample, timeout_s)
     except (KeyboardInterrupt, SystemExit):
@@ -255,14 +256,16 @@ class RewardSettingsError(UserError, ValueError):
     """A reward's `[reward]` settings cannot work (e.g. the judge without reward.judge_url)."""
 
 
-def reward_setting_errors(cfg: RewardConfig) -> list[str]:
-    """What is wrong with the settings of `reward.fn` (checked at --dry-run): its own `config_errors(cfg)`, and
-    `reward.isolate` with a reward built from settings (a worker process loads rewards by name only). An
-    unknown name gives none here: name resolution reports it."""
-    if cfg.fn is None:
+def reward_setting_errors(cfg: RewardConfig, name: str | None = None) -> list[str]:
+    """What is wrong with the settings of reward `name` (default `reward.fn`; a `[[data.mix]]` source's reward
+    otherwise), checked at --dry-run: its own `config_errors(cfg)`, and `reward.isolate` with a reward built from
+    settings (a worker process loads rewards by name only). An unknown name gives none here: name resolution
+    reports it."""
+    name = cfg.fn if name is None else name
+    if name is None:
         return []
     try:
-        fn = get_reward_fn(cfg.fn)
+        fn = get_reward_fn(name)
     except Exception:
         return []
     if getattr(fn, "from_config", None) is None:
@@ -270,6 +273,6 @@ def reward_setting_errors(cfg: RewardConfig) -> list[str]:
     check = getattr(fn, "config_errors", None)
     errors = list(check(cfg)) if check is not None else []
     if cfg.isolate:
-        errors.append(f"reward.fn = {cfg.fn!r} is built from its reward.* settings and bounds its own calls; "
+        errors.append(f"reward {name!r} is built from its reward.* settings and bounds its own calls; "
                       "reward.isolate loads a reward by name in a worker process: set reward.isolate = false")
     return errors

@@ -7,7 +7,9 @@ is an object with
   place (what `rollwise.rollout.run_groups` does for `plain`), with the engine, the sampling params, the
   request-id counter and the partial-rollout `StopRule` (None without partial rollouts);
 - `metrics() -> dict[str, float]`: what it did since the last call (`rollout/strategy/...` and its own keys),
-  logged in the step's row through `Rollouts.pop_metrics`.
+  logged in the step's row through `Rollouts.pop_metrics`;
+- optionally `state_dict() -> dict` and `load_state_dict(state)`: what a resumed run needs to go on as the
+  uninterrupted one would (running rates, its RNG), saved in every checkpoint.
 
 `build.py` builds the strategy with a `StrategyContext` (the tokenizer, the initial policy, the seed, the
 reward) and hands it to `LocalRollouts`. Built-in strategies: `plain` (today's single call per round), `rethink` (Forced

@@ -127,7 +127,14 @@ class ADHintStrategy:
         }
 
     def state_dict(self) -> dict:
+        """The running accuracies, with the last round's (already scored) samples folded in: the next `run`
+        would fold them first anyway, so a resumed run hints as the uninterrupted one does."""
+        self.observe(self._last)
+        self._last = []
         return {"accuracy": dict(self.accuracy), "overall": self.overall}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accuracy, self.overall = dict(state["accuracy"]), float(state["overall"])
 
 
 class ADHint(RL):

@@ -79,6 +79,12 @@ class RethinkStrategy:
         self._counts["continued_tokens"] += continue_samples(engine, chosen, params, ids, self.new_tokens)
         return stats
 
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
     def metrics(self) -> dict[str, float]:
         c, self._counts = self._counts, dict.fromkeys(self._counts, 0)
         return {

@@ -117,6 +117,12 @@ class TandemStrategy:
 
         generate_on(engine, counted_on, requests, on_finish)  # junior tokens count in rollout/tokens too
 
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
     def metrics(self) -> dict[str, float]:
         c, self._counts = self._counts, dict.fromkeys(self._counts, 0)
         return {
