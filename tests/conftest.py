@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 import sys
 from pathlib import Path
@@ -26,6 +27,11 @@ os.environ["ROLLWISE_CACHE"] = tempfile.mkdtemp(prefix="rollwise-test-cache-")
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="rollwise-test-hf-home-")  # hub tests lay out their own cache
 if str(TESTS_DIR) not in sys.path:  # dotted-path plugins ('toy_plugins:fn') must be importable
     sys.path.insert(0, str(TESTS_DIR))
+# A test suite started in the background by a shell without job control inherits SIGINT ignored, and so would
+# every process a test starts: the Ctrl-C tests (rollwise serve, the generation process, Ray) would wait forever.
+# Catching it here gives the children the default action again (a caught signal is reset on exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from helpers_model import tiny_llama  # noqa: E402
 from helpers_tokenizer import tiny_tokenizer  # noqa: E402
