@@ -10,8 +10,9 @@ folders. Each run is `rollwise train` (through `rollwise.loop.train`) on the bui
 default recipe's batch (8 prompts x 8 samples, 48 new tokens), the reward `toy_plugins:even_id_fraction` (a random
 model gets arithmetic right too rarely for groups to vary). Reported per run: the engine-vs-trainer log-prob gap
 of every step (`mismatch/logprob_abs_diff_mean`, like with like), the sync probe's gap, rollout and train tok/s,
-MFU against the device's measured peak of the precision used, peak GPU memory, and whether the checkpoint loads
-in transformers with the trained weights. The FSDP2 check compares one NCCL rank's step with the local trainer's.
+MFU against the device's measured peak of the precision used, peak GPU memory beside the memory estimate
+(`rollwise.train.memory_config.estimate_dict`, what `--dry-run` prints), and whether the checkpoint loads in
+transformers with the trained weights. The FSDP2 check compares one NCCL rank's step with the local trainer's.
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ def grpo(model_dir: Path, run_dir: Path, precision: str, dry: bool) -> dict:
     keys = ["mismatch/logprob_abs_diff_mean", "mismatch/k3", "sync/logprob_max_abs_diff", "perf/rollout_tokens_per_s",
             "perf/train_tokens_per_s", "perf/rollout_mfu", "perf/train_mfu", "perf/mfu", "perf/peak_gflops_train",
             "perf/peak_gflops_rollout", "perf/cuda_peak_allocated_gb", "perf/step_s"]
+    from rollwise.train.memory_config import estimate_dict
+
+    peaks = [r["perf/cuda_peak_allocated_gb"] for r in rows if r.get("perf/cuda_peak_allocated_gb") is not None]
     return {"precision": precision, "device": str(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
             "wall_s": time.perf_counter() - start, "per_step": [{k: r.get(k) for k in keys} for r in rows],
+            "memory": {"estimate": estimate_dict(cfg), "cuda_max_allocated_gib": max(peaks, default=None)},
             "checkpoint_logit_max_abs_diff": checkpoint_reloads(run_dir / "checkpoints" / f"step-{steps}")}
 
 

@@ -270,7 +270,7 @@ def start_generation_process(cfg: Config, model, tokenizer, threads: int, versio
     `episodes` (an `EpisodeRecipe`), the run's environment built there."""
     from rollwise.generate.process import GenerationProcess
 
-    return GenerationProcess(model, tokenizer, dtype=engine_dtype(cfg.model.dtype),
+    return GenerationProcess(model, tokenizer, dtype=engine_dtype(cfg.model.dtype, cfg.control.generation_device),
                              max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed + 1, threads=threads,
                              device=cfg.control.generation_device, version=version, episodes=episodes)
 

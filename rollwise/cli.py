@@ -80,6 +80,7 @@ def train(
         if warning:
             typer.echo(warning, err=True)
         typer.echo(to_toml(cfg))
+        _memory_check(cfg, show=True)
         return
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun: ranks > 0 are FSDP2 trainer workers of rank 0's loop
         from rollwise.train.launch import worker_main_from_env
@@ -91,9 +92,22 @@ def train(
     if resume is None and any((run_dir / f).exists() for f in ("checkpoints", "metrics.jsonl", "config.toml")):
         _fail(f"{run_dir} already holds a run; use --resume {run_dir} or another --run-dir")
     _quiet_libraries()
+    _memory_check(cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's rank 0
         _exit_after(lambda: _guarded_training(cfg, run_dir, resume, debug))
     _guarded_training(cfg, run_dir, resume, debug)
+
+
+def _memory_check(cfg, show: bool = False) -> None:
+    """The run's memory estimate against its device (rollwise/train/memory_config.py), printed as TOML comments
+    with `show` (--dry-run); a run that cannot fit stops here, before any work, in one line (exit 2)."""
+    from rollwise.train.memory_config import memory_report
+
+    lines, refusal = memory_report(cfg)
+    if show:
+        typer.echo("\n".join(f"# {line}" for line in lines))
+    if refusal:
+        _fail(refusal)
 
 
 def _guarded_training(cfg, run_dir: Path, resume, debug: bool) -> None:
@@ -119,6 +133,10 @@ def _exit_after(command) -> None:
     os._exit(code)
 
 
+DEVICE_HELP = "where the torch engine decodes: auto, cpu, cuda or cuda:N (default train.device of the run)"
+ENGINE_HELP = "rollout engine: torch or vllm (default rollout.engine of the run)"
+
+
 @app.command("eval")
 def eval_cmd(
     model: str = typer.Option(..., "--model", help="model name, HF directory, checkpoint or run directory"),
@@ -137,6 +155,8 @@ def eval_cmd(
                                "lookahead and voting (eval.deeplook_* keys), reported as deeplook_* with tokens spent"),
     best: bool = typer.Option(False, "--best", help="with a run directory: its best checkpoint "
                               "(checkpoints/best, written by train.early_stop) instead of its newest"),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    engine: Optional[str] = typer.Option(None, "--engine", help=ENGINE_HELP),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),
     debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:
@@ -146,7 +166,8 @@ def eval_cmd(
 
     with guard(None, debug):
         result = run_eval_command(model, task, n, temperature, max_new_tokens, list(overrides or []),
-                                  data=data, out=out, k=k, greedy=greedy, best=best, decode=decode)
+                                  data=data, out=out, k=k, greedy=greedy, best=best, decode=decode,
+                                  device=device, engine=engine)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 
@@ -159,7 +180,10 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Bearer token (default serve.api_key, else "
                                           "$ROLLWISE_SERVE_API_KEY, else a generated one, printed); prefer the "
                                           "variable: other local users see command lines"),
-    model: Optional[str] = typer.Option(None, "--model", help="model to serve (default model.name)"),
+    model: Optional[str] = typer.Option(None, "--model", help="model, checkpoint or run directory to serve "
+                                        "(default model.name); a run's own config.toml when no CONFIG is given"),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    engine: Optional[str] = typer.Option(None, "--engine", help=ENGINE_HELP),
     debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:
     """Serve the policy over HTTP (OpenAI completions + episodes + weights) until Ctrl-C (docs/serve.md)."""
@@ -168,7 +192,7 @@ def serve(
     from rollwise.serve.cli import serve_command
 
     with guard(None, debug):
-        serve_command(config, overrides, host, port, api_key, model)
+        serve_command(config, overrides, host, port, api_key, model, device=device, engine=engine)
 
 
 @app.command()

@@ -201,7 +201,8 @@ class RewardConfig(Section, RewardMethodKeys):
                                          json_schema_extra={"env": "ROLLWISE_JUDGE_API_KEY"})
     judge_template: str | None = Field(None, description="judge: the user message, with {question}, {reference} "
                                        "and {response}; it must ask for 'Score: N'; None = the built-in one (0-10)")
-    judge_max_tokens: int = Field(64, gt=0, description="judge: tokens of one judgement at most")
+    judge_max_tokens: int = Field(256, gt=0, description="judge: tokens of one judgement at most (an answer cut off "
+                                  "here is a failed judgement, never a score)")
     judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (a step's samples "
                                    "are judged concurrently)")
     judge_retries: int = Field(2, ge=0, description="judge: retries of a request that failed on the network, timed "
@@ -271,6 +272,8 @@ class AgentConfig(Section):
                                                   "another sample of the group, 'drop' leaves the episode out")
     batch_wait_s: float = Field(0.05, ge=0.0, description="how long a call waits for other running episodes' calls "
                                 "to join its engine batch")
+    max_body_mb: float = Field(32.0, gt=0.0, description="a chat call's JSON body at most (MiB), read only after "
+                               "its key is checked; larger get 413")
     options: Options = Field(default_factory=dict, description="passed to the program as task.options")
 
 
@@ -353,6 +356,10 @@ class TrainConfig(Section):
     minibatches_per_epoch: int = Field(1, ge=1)
     micro_batch_tokens: int = Field(1024, gt=0, description="token budget of one forward/backward")
     share_prompt: bool = Field(True, description="pack a prompt's responses in one row: the prompt is computed once")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto", description="recompute each decoder layer's activations in backward instead of keeping them "
+        "(non-reentrant): far less activation memory for about one more forward pass; auto = on from about 1B "
+        "parameters or when the memory estimate (rollwise train --dry-run) says the run would not fit without it")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 on CUDA or where the CPU has "
         "native bf16")

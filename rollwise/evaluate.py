@@ -8,6 +8,7 @@ at least one of k samples drawn without replacement from the n is correct, avera
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import count
 
 from rollwise.generate.base import Engine
@@ -84,6 +85,8 @@ def evaluate(
     keep_samples: list | None = None,
     k: int = 1,
     stop: tuple[str, ...] = (),
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> dict[str, float]:
     """`k` responses per prompt at `temperature` (and one greedy), each reward call limited to `reward_timeout_s`
     (`reward.timeout_s`). With `episodes` (rollwise.rollout.Episodes) each response is a multi-turn episode in
@@ -94,14 +97,17 @@ def evaluate(
     `Prompt.origin`, the accuracies, pass@j, avg@k and n again as `eval/<origin>/...`.
     An accuracy is None when every reward of that mode failed (the errors are counted, never scored 0).
     `keep_samples`, when given, receives `(mode, samples)` for each mode (`rollwise eval --out`).
-    `stop` (`rollout.stop`) ends responses as it does in training, so evaluation decodes what training decodes.
+    `stop` (`rollout.stop`) ends responses, and `top_p` / `top_k` (`rollout.top_p`, `rollout.top_k`) truncate the
+    sampled distribution, as they do in training, so evaluation decodes what training decodes (the greedy
+    response takes the argmax: truncation does not change it).
     """
     if k < 1:
         raise ValueError(f"eval.k must be at least 1, got {k}")
     out: dict[str, float] = {"eval/n": float(len(prompts))}
     modes = [("sampled", temperature, k)] + ([("greedy", 0.0, 1)] if greedy else [])
-    per_mode = _episode_samples(engine, prompts, modes, max_new_tokens, episodes, stop) if episodes is not None \
-        else _one_turn_samples(engine, prompts, modes, max_new_tokens, stop)
+    base = SamplingParams(max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, stop=tuple(stop))
+    per_mode = _episode_samples(engine, prompts, modes, base, episodes) if episodes is not None \
+        else _one_turn_samples(engine, prompts, modes, base)
     by_origin: dict[str, dict[str, float | None]] = {}
     for (label, _, n_samples), groups in zip(modes, per_mode):
         samples = [s for g in groups for s in g]
@@ -164,19 +170,24 @@ def metric_names(k: int, greedy: bool) -> list[str]:
     return [*SAMPLED_KEYS, *(GREEDY_KEYS if greedy else ()), *figures]
 
 
-def _mode_params(modes, max_new_tokens: int, stop: tuple[str, ...]) -> list[list[SamplingParams]]:
+def _at(base: SamplingParams, temperature: float, seed: int) -> SamplingParams:
+    """`base` (max_new_tokens, top_p, top_k, stop) at `temperature` with `seed`; greedy without truncation."""
+    if temperature == 0:
+        return replace(base, temperature=0.0, top_p=1.0, top_k=0, seed=seed)
+    return replace(base, temperature=temperature, seed=seed)
+
+
+def _mode_params(modes, base: SamplingParams) -> list[list[SamplingParams]]:
     """The sampling params of each response of one prompt, per mode. Sample j of a mode draws with seed
     EVAL_SEED + j: its own stream on every engine (a server seeds each request by itself, so one seed for the
     k samples of a prompt would make them the same response)."""
-    return [[SamplingParams(max_new_tokens=max_new_tokens, temperature=t, stop=stop, seed=EVAL_SEED + j)
-             for j in range(n)] for _, t, n in modes]
+    return [[_at(base, t, EVAL_SEED + j) for j in range(n)] for _, t, n in modes]
 
 
-def _one_turn_samples(engine: Engine, prompts, modes, max_new_tokens: int,
-                      stop: tuple[str, ...]) -> list[list[list[Sample]]]:
+def _one_turn_samples(engine: Engine, prompts, modes, base: SamplingParams) -> list[list[list[Sample]]]:
     """Per mode, per prompt, its samples. One engine call, the responses of each prompt next to each other:
     they share that prompt's prefill."""
-    params = [p for mode in _mode_params(modes, max_new_tokens, stop) for p in mode]
+    params = [p for mode in _mode_params(modes, base) for p in mode]
     width = len(params)
     requests = [GenerationRequest(i * width + j, ids, p) for i, (_, ids) in enumerate(prompts)
                 for j, p in enumerate(params)]
@@ -189,14 +200,13 @@ def _one_turn_samples(engine: Engine, prompts, modes, max_new_tokens: int,
     return out
 
 
-def _episode_samples(engine: Engine, prompts, modes, max_new_tokens: int, episodes,
-                     stop: tuple[str, ...]) -> list[list[list[Sample]]]:
+def _episode_samples(engine: Engine, prompts, modes, base: SamplingParams, episodes) -> list[list[list[Sample]]]:
     """Per mode, per prompt, its episodes: one run of the episodes per mode, the k episodes of a prompt one
     group drawing from one seeded stream (distinct draws on the torch and vLLM engines)."""
     out = []
     ids = count()
     for _, temperature, n in modes:
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=stop, seed=EVAL_SEED)
+        params = _at(base, temperature, EVAL_SEED)
         groups = new_groups(prompts, n, 0)
         episodes.run(engine, groups, params, ids)
         out.append([g.samples for g in groups])

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,11 +20,10 @@ from rollwise.envs.episode import final_text, transcript
 from rollwise.rollout import episodes_for
 from rollwise.data import PromptEncoder, build_prompt_source
 from rollwise.evaluate import evaluate, origin_of
-from rollwise.generate import TorchEngine
 from rollwise.hardware import configure_allocator, configure_threads
 from rollwise.models import load_model
 from rollwise.rewards import build_reward_fn
-from rollwise.generate.factory import engine_dtype
+from rollwise.generate.factory import apply_engine_flags, engine_summary, open_engine
 from rollwise.session import encode_eval_prompts
 from rollwise.train.checkpoint import BEST, CHECKPOINTS, best_checkpoint, latest_checkpoint
 
@@ -65,21 +68,19 @@ def load_policy(target: str, base_name: str):
 
 def run_eval_command(model: str, task: str | None, n: int, temperature: float, max_new_tokens: int | None,
                      overrides: list[str], data: str | None = None, out: str | None = None, k: int | None = None,
-                     greedy: bool = True, best: bool = False, decode: str = "plain") -> dict:
+                     greedy: bool = True, best: bool = False, decode: str = "plain", device: str | None = None,
+                     engine: str | None = None) -> dict:
     """`rollwise eval`: one JSON-ready dict. `k` sampled responses per prompt (None = eval.k of the run's
-    recipe, else 1): with k > 1 the result has pass@j and avg@k (and per source, under `sources`)."""
+    recipe, else 1): with k > 1 the result has pass@j and avg@k (and per source, under `sources`). The responses
+    come from the engine the run sampled with (`rollout.engine`, `engine_options`, `train.device`, `model.dtype`;
+    `device` / `engine` override the run's), with its `rollout.top_p`, `top_k` and `stop`; `engine` in the
+    result names what generated."""
     if k is not None and k < 1:
         raise ValueError(f"--k must be at least 1, got {k}")
     if decode not in DECODES:
         raise ValueError(f"--decode {decode!r} is not one of {', '.join(DECODES)}")
     target, recipe = resolve_target(model, best)
-    extra = [f"data.task={_quote(task)}"] if task else []
-    cfg = load_config(recipe if recipe and recipe.exists() else None, overrides + extra)
-    if task or data:  # another task than the run's (or a file of prompts): its own data and split
-        cfg.data.path = None
-        cfg.data.eval_path = None
-        cfg.data.split = "prompt"
-    validate(cfg)
+    cfg = eval_config(recipe, task, data, overrides, device, engine)
     configure_allocator()
     configure_threads(cfg.model.threads)
     sandbox.allow_unconfined(cfg.sandbox.allow_unconfined)
@@ -89,26 +90,20 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         cfg.data.system_prompt = getattr(task_source, "system_prompt", None)
     source = FilePrompts(data, cfg.data) if data else task_source
     env = build_env(cfg.env, getattr(task_source, "default_env", None))
-    policy, tokenizer = load_policy(target, cfg.model.name)
-    engine = TorchEngine(policy, tokenizer, dtype=engine_dtype(cfg.model.dtype), max_batch_size=cfg.rollout.max_batch_size)
-    encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
-    prompts = encode_eval_prompts(source, encoder, n)
-    reward_fn = build_reward_fn(cfg.reward, task_source.default_reward)
-    episodes = None if env is None else episodes_for(cfg, env, tokenizer, getattr(task_source, "default_env", None))
-    kept: list = []
     k = k or cfg.eval.k
-    try:
-        metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens or cfg.rollout.max_new_tokens,
-                           greedy=greedy, reward_timeout_s=cfg.reward.timeout_s, episodes=episodes,
-                           keep_samples=kept, k=k, stop=tuple(cfg.rollout.stop))
-        if decode == "deeplook":  # the plain sampled figures above are its baseline at the same temperature
-            metrics.update(deeplook_figures(engine, prompts, reward_fn, temperature,
-                                            max_new_tokens or cfg.rollout.max_new_tokens, cfg))
-            from rollwise.decode.deeplook import vote_accuracy
-
-            metrics["deeplook/plain_vote_accuracy"] = vote_accuracy(dict(kept)["sampled"], k)
-    finally:
-        getattr(reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
+    max_new_tokens = max_new_tokens or cfg.rollout.max_new_tokens
+    kept: list = []
+    with policy_engine(cfg, target, "eval") as (generator, tokenizer):
+        encoder = PromptEncoder(tokenizer, cfg.data.system_prompt, cfg.data.max_prompt_tokens)
+        prompts = encode_eval_prompts(source, encoder, n)
+        reward_fn = build_reward_fn(cfg.reward, task_source.default_reward)
+        episodes = None if env is None else episodes_for(cfg, env, tokenizer, getattr(task_source, "default_env", None))
+        try:
+            metrics = decode_all(cfg, generator, prompts, reward_fn, episodes, kept, temperature, max_new_tokens, k,
+                                 greedy, decode)
+        finally:
+            getattr(reward_fn, "close", lambda: None)()  # reward worker processes (reward.isolate)
+        used = {"engine": engine_summary(cfg, generator), **engine_metrics(generator)}
     if out:
         write_episodes(Path(out), kept)
     episode_keys = {key.removeprefix("eval/"): round(v, 4) for key, v in metrics.items() if "_episode/" in key}
@@ -128,8 +123,63 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         **({"out": out} if out else {}),
         **({"sampled_tokens_per_prompt": round(metrics["eval/response_len_mean"] * k, 1)} if decode != "plain" else {}),
         **{key.replace("/", "_"): value for key, value in metrics.items() if key.startswith("deeplook/")},
+        **used,
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def eval_config(recipe: Path | None, task: str | None, data: str | None, overrides: list[str], device: str | None,
+                engine: str | None):
+    """The run's config (`recipe`; defaults without one) with `overrides`, `--task` / `--data` and `--device` /
+    `--engine` applied, validated; the notes of the flags go to stderr."""
+    extra = [f"data.task={_quote(task)}"] if task else []
+    cfg = load_config(recipe if recipe and recipe.exists() else None, overrides + extra)
+    if task or data:  # another task than the run's (or a file of prompts): its own data and split
+        cfg.data.path = None
+        cfg.data.eval_path = None
+        cfg.data.split = "prompt"
+    for note in apply_engine_flags(cfg, device, engine, overrides):
+        print(f"rollwise eval: {note}", file=sys.stderr, flush=True)
+    return validate(cfg)
+
+
+@contextmanager
+def policy_engine(cfg, target: str, command: str):
+    """(engine, tokenizer) of the policy `target` on the run's engine (`rollwise.generate.factory.open_engine`),
+    closed on the way out; a vLLM engine's weights folder lives in a scratch folder removed then."""
+    work = Path(tempfile.mkdtemp(prefix=f"rollwise-{command}-"))
+    try:
+        policy, tokenizer = load_policy(target, cfg.model.name)
+        generator = open_engine(cfg, policy, tokenizer, work)
+        del policy  # the engine holds its own copy (on a GPU, one is enough)
+        try:
+            yield generator, tokenizer
+        finally:
+            generator.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def decode_all(cfg, engine, prompts, reward_fn, episodes, kept: list, temperature: float, max_new_tokens: int,
+               k: int, greedy: bool, decode: str) -> dict:
+    """`evaluate`'s metrics with the run's `rollout.top_p`, `top_k` and `stop`; with `decode = "deeplook"` the
+    `deeplook/*` figures too (the plain sampled figures are their baseline at the same temperature)."""
+    rollout = cfg.rollout
+    metrics = evaluate(engine, prompts, reward_fn, temperature, max_new_tokens, greedy=greedy,
+                       reward_timeout_s=cfg.reward.timeout_s, episodes=episodes, keep_samples=kept, k=k,
+                       stop=tuple(rollout.stop), top_p=rollout.top_p, top_k=rollout.top_k)
+    if decode == "deeplook":
+        metrics.update(deeplook_figures(engine, prompts, reward_fn, temperature, max_new_tokens, cfg))
+        from rollwise.decode.deeplook import vote_accuracy
+
+        metrics["deeplook/plain_vote_accuracy"] = vote_accuracy(dict(kept)["sampled"], k)
+    return metrics
+
+
+def engine_metrics(engine) -> dict:
+    """`{"engine_metrics": {...}}` of what the engine counted (e.g. `spec_accept_rate` with a draft model), or {}."""
+    found = getattr(engine, "pop_metrics", lambda: {})()
+    return {"engine_metrics": {key.removeprefix("rollout/"): v for key, v in found.items()}} if found else {}
 
 
 DECODES = ("plain", "deeplook")
@@ -143,7 +193,9 @@ def deeplook_figures(engine, prompts, reward_fn, temperature: float, max_new_tok
     settings = DeepLookSettings(e.deeplook_segment_tokens, e.deeplook_drop_ratio, e.deeplook_window,
                                 e.deeplook_branches, e.deeplook_horizon_tokens, e.deeplook_voters,
                                 e.deeplook_max_triggers)
-    return deeplook_eval(engine, prompts, reward_fn, temperature, max_new_tokens, settings, cfg.reward.timeout_s)
+    r = cfg.rollout
+    return deeplook_eval(engine, prompts, reward_fn, temperature, max_new_tokens, settings, cfg.reward.timeout_s,
+                         stop=tuple(r.stop), top_p=r.top_p, top_k=r.top_k)
 
 
 def pass_figures(metrics: dict, prefix: str) -> dict:

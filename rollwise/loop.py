@@ -91,7 +91,7 @@ def run_eval(run: Run, early: EarlyStop | None = None) -> dict[str, float]:
     metrics = evaluate(run.engine, run.eval_prompts, run.reward_fn, cfg.eval.temperature,
                        cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.eval.greedy,
                        reward_timeout_s=cfg.reward.timeout_s, episodes=run.episodes, k=cfg.eval.k,
-                       stop=tuple(cfg.rollout.stop))
+                       stop=tuple(cfg.rollout.stop), top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     row = {"step": run.step, "kind": "eval", **metrics, "perf/time/eval_s": time.perf_counter() - start}
     run.writer.write(row)
     if early is not None:

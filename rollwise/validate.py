@@ -126,9 +126,12 @@ def _scale_out_errors(cfg: Config) -> list[str]:
     if sync.transport in ("safetensors", "nccl") and rollout.engine == "torch":
         errors.append(f"sync.transport = {sync.transport!r} is for vLLM; the torch engine takes 'tensors' (or 'auto')")
     from rollwise.generate.vllm_options import vllm_option_errors
+    from rollwise.generate.vllm_server import launch_option_errors
 
+    launched = rollout.engine == "vllm" and rollout.server == "launch"
     return (errors + _weight_quant_errors(cfg) + _speculative_errors(cfg)
-            + vllm_option_errors(rollout.engine, cfg.rollout.engine_options))
+            + vllm_option_errors(rollout.engine, cfg.rollout.engine_options)
+            + (launch_option_errors(cfg.rollout.engine_options) if launched else []))
 
 
 def _weight_quant_errors(cfg: Config) -> list[str]:

@@ -374,3 +374,61 @@ def test_a_verifiers_episode_becomes_per_trace_rewards_or_a_counted_error():
     assert failed.error == "verifiers episode failed: HarnessError: exited 1"
     unscored = episode_outcome(NS(ok=True, errors=[], traces=[trace("a", None)]))
     assert "rewards ['right'] were not scored" in unscored.error
+
+
+
+def judged_step(tmp_path, model_dir):
+    """One training step on tests/vf_judge_env.py (2 prompts x 2 episodes; in each, the policy's trace, then an
+    untrainable judge's): (its metrics row, its batch, the run's key, what a child started after the step sees)."""
+    pytest.importorskip("verifiers")
+    import subprocess
+    import sys
+
+    import vf_judge_env
+
+    from rollwise.build import open_run
+    from rollwise.loop import rl_step
+
+    vf_judge_env.CALLS.clear()
+    vf_judge_env.CHILD_ENV.clear()
+    cfg = tiny_config(model_dir, **{"data.task": "verifiers:vf_judge_env", "data.eval_size": 4, "eval.n": 0,
+                                    "algo.filter_zero_variance": False, "rollout.prompts_per_step": 2,
+                                    "rollout.samples_per_prompt": 2})
+    run = open_run(cfg, tmp_path / "run")
+    try:
+        row, batch = rl_step(run)
+        child = subprocess.run([sys.executable, "-c", vf_judge_env.PROBE], capture_output=True, text=True, check=True)
+        return row, batch, run.episodes.run_key, child.stdout
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+def test_a_frozen_judges_reply_is_never_the_policys_response_text(tmp_path, tiny_model_dir, recorded):
+    """The judge's calls come last in each episode; the sample's `response_text` is the policy's own final
+    reply, and only the policy's calls are trained."""
+    import vf_judge_env
+
+    row, batch, _, _ = judged_step(tmp_path, tiny_model_dir)
+    assert row["agent/failed"] == 0 and row["reward/errors"] == 0 and row["agent/calls_mean"] == 4
+    samples = [s for g in batch.generated for s in g.samples]
+    assert len(samples) == 4 and len(recorded[1]) == 4
+    for sample in samples:
+        _, policy_final, _, judge_final = vf_judge_env.CALLS[sample.info["agent"]["key"]]
+        assert sample.response_text == policy_final["content"]
+        assert_token_exact(sample, recorded[0], completions=2)
+    assert any(c[3]["content"] != c[1]["content"] for c in vf_judge_env.CALLS.values())  # the test can tell
+
+
+@pytest.mark.slow
+def test_the_verifiers_run_key_never_enters_the_environment(tmp_path, tiny_model_dir, recorded):
+    """The run's key reaches the loopback endpoint (every call of every episode answered) without entering
+    `os.environ`: a child the harness starts during an episode, or one started after the step, sees no key."""
+    import os
+
+    import vf_judge_env
+
+    row, _, key, after = judged_step(tmp_path, tiny_model_dir)
+    assert row["agent/failed"] == 0 and row["agent/calls_mean"] == 4
+    assert key not in os.environ.values() and key not in after
+    assert vf_judge_env.CHILD_ENV == [{}] * 8  # 4 episodes x (policy, judge)

@@ -35,7 +35,7 @@ from rollwise.models.compat import cache_kwargs
 from rollwise.train.batching import collate
 from rollwise.train.logprobs import token_logprobs
 from rollwise.train.shared_attention import NAME as SHARED_ATTENTION
-from rollwise.types import Prompt, SamplingParams
+from rollwise.types import Prompt, Sample, SamplingParams, Status
 
 NAMES = list(ARCHITECTURES)
 # (what the fused decoder claims) name -> tiny_arch arguments; every SUPPORTED_MODEL_TYPES entry appears
@@ -135,6 +135,44 @@ def test_engine_logprobs_equal_trainer_and_model_forward(name, device, model_dir
         trainer = trainer_logprobs(model, samples, tok.pad_token_id, temperature, share).cpu()
         assert_close(trainer, behaviour, atol=1e-4, rtol=0, msg=f"{name}: trainer (share_prompt={share})")
     assert_close(torch.tensor(forward_logprobs(model, samples, temperature)), behaviour, atol=1e-4, rtol=0)
+
+
+def _logp_and_grads(model, samples, pad_id: int, share: bool):
+    model.zero_grad()
+    mb = collate(samples, pad_id, share_prompt=share).to(model.device)
+    logp, entropy = token_logprobs(model, mb, temperature=0.8)
+    adv = torch.linspace(-1.0, 1.0, len(mb.samples), device=model.device)[:, None]
+    ((logp * adv + 0.1 * entropy) * mb.valid).sum().backward()
+    order = sorted(range(len(mb.samples)), key=lambda i: samples.index(mb.samples[i]))
+    return logp[order].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("form", ["split", "prefix"])
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_segment_attention_equals_the_plain_per_sample_forward(name, form, model_dir, monkeypatch):
+    """The packed prompt-shared row (segments through one fused causal kernel, windows and soft caps where the
+    architecture has them) gives the log-probs, entropies' gradients and parameter gradients of one padded row
+    per sample, fp32, 1e-5; responses of varied length, one of them empty. Both segment forms: `split` (the CPU's)
+    and `prefix` (CUDA's), forced here on the CPU."""
+    from rollwise.train import shared_attention
+
+    monkeypatch.setattr(shared_attention, "FORCE_FORM", form)
+    model, tok = load_model_dir(model_dir(name))
+    group = prompts(tok)
+    lengths = [0, 3, 9, 14, 6, 11]
+    samples = []
+    for g, (prompt, ids) in enumerate(group):
+        for k in range(3):
+            n = lengths[g * 3 + k]
+            resp = [(7 * j + 11 * k + g) % (len(tok) - 10) + 5 for j in range(n)]
+            samples.append(Sample(prompt, ids, resp, [0.0] * n, [1] * n, Status.COMPLETED, g))
+    plain_logp, plain_grads = _logp_and_grads(model, samples, tok.pad_token_id, share=False)
+    model.set_attn_implementation(SHARED_ATTENTION)
+    packed_logp, packed_grads = _logp_and_grads(model, samples, tok.pad_token_id, share=True)
+    assert_close(packed_logp, plain_logp, rtol=1e-5, atol=1e-5)
+    assert plain_grads.keys() == packed_grads.keys()
+    for key, grad in plain_grads.items():
+        assert_close(packed_grads[key], grad, rtol=1e-5, atol=1e-5, msg=f"{name}: {key}")
 
 
 def test_gemma2_soft_caps_change_the_numbers_so_the_check_above_can_fail(tok):

@@ -1,7 +1,7 @@
 """`reward.fn = "judge"` against real local servers over HTTP: `rollwise serve`'s app with a scripted judge
 policy that always answers `Score: 7` (parsing, concurrency, a training run), the same app over the tiny random
-model (its answers hold no score: counted failures that stop a run), and a small server that fails on purpose
-(retries, timeouts, HTTP errors)."""
+model (its answers are cut off at judge_max_tokens: counted failures that stop a run), and a small server that
+fails on purpose (retries, timeouts, HTTP errors)."""
 
 from __future__ import annotations
 
@@ -124,8 +124,8 @@ def test_a_judge_that_says_score_7_scores_a_batch_concurrently(scripted):
     assert samples[0].reward_parts == {"judge": 0.7, "correct": 1.0} and samples[0].info["judge_answer"] == "Score: 7"
     assert metrics["reward/errors"] == 0.0 and metrics["reward/accuracy"] == 1.0
     assert sum(engine.batches) == 8 and max(engine.batches) >= 2, engine.batches
-    assert any("What is 3 + 1?" in p and "Reference answer:\n4" in p and "I think it is 4." in p
-               for p in engine.prompts)
+    assert any("<question>\nWhat is 3 + 1?\n</question>" in p and "<reference>\n4\n</reference>" in p
+               and "<response>\nI think it is 4.\n</response>" in p for p in engine.prompts)
     assert judge.model == "scripted-judge"
 
 
@@ -145,8 +145,9 @@ def test_the_threshold_decides_correctness_and_the_score_scale_normalises(script
 
 
 def test_an_unparsable_judgement_from_the_tiny_model_is_a_counted_failure(tiny_judge):
-    """The tiny random model as the judge: its answers hold no score, so every sample is FAILED with the reason
-    (never a reward of 0) and counted in reward/errors."""
+    """The tiny random model as the judge: its answers run to judge_max_tokens (finish_reason 'length' from
+    `rollwise serve`), so every sample is FAILED with the reason (never a reward of 0) and counted in
+    reward/errors."""
     judge = _judge(tiny_judge.url, judge_max_tokens=8)
     samples = _samples(4)
     try:
@@ -156,7 +157,7 @@ def test_an_unparsable_judgement_from_the_tiny_model_is_a_counted_failure(tiny_j
     assert metrics["reward/errors"] == 4.0 and "reward/mean" not in metrics
     for s in samples:
         assert s.status == Status.FAILED and s.reward is None
-        assert "the judge's answer holds no 'Score: N'" in s.reward_error
+        assert "the judge's answer was cut off at reward.judge_max_tokens=8" in s.reward_error
 
 
 @pytest.mark.slow
@@ -194,7 +195,7 @@ def test_a_run_whose_judge_never_parses_stops_with_the_reason(tmp_path, tiny_mod
                                       str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]
-    assert "every reward failed for 2 steps in a row" in line and "holds no 'Score: N'" in line
+    assert "every reward failed for 2 steps in a row" in line and "cut off at reward.judge_max_tokens=8" in line
     assert [r["reward/errors"] for r in read_rows(tmp_path / "run") if r["kind"] == "train"] == [16.0, 16.0]
 
 
@@ -236,7 +237,11 @@ class Flaky:
     ([401], 3, None, "HTTP 401: 'scripted 401' (reward.judge_api_key or $ROLLWISE_JUDGE_API_KEY)", 1),
     ([1.0], 0, None, "no answer within reward.timeout_s=0.5 s", 1),
     (["Score: 12"], 2, None, "the judge's score 12 is outside 0..10: 'Score: 12'", 1),
-    (["<score>3</score>"], 0, 0.3, None, 1),
+    (["<score>3</score>"], 0, None, "holds no verdict line 'Score: N'", 1),  # one verdict form: 'Score: N'
+    (["The response is right.\nScore: 3"], 0, 0.3, None, 1),
+    ([408], 2, None, "HTTP 408: 'scripted 408'", 1),  # only 429 and 5xx are retried
+    ([409], 2, None, "HTTP 409: 'scripted 409'", 1),
+    ([429, 500, 599, "Score: 4"], 3, 0.4, None, 4),
 ])
 def test_retries_timeouts_and_bad_answers(script, retries, reward, error, calls, monkeypatch):
     monkeypatch.setattr("rollwise.rewards.judge.BACKOFF_S", 0.01)

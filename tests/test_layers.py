@@ -21,7 +21,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     0: ("rollwise", "types", "errors", "registry", "config", "config_distill", "config_methods", "config_toml",
         "config_load", "hardware"),
     1: ("algo",),
-    2: ("models", "sandbox", "metrics", "perf"),
+    2: ("models", "sandbox", "metrics", "perf", "perf_datasheet"),
     3: ("data", "rewards", "generate", "train", "envs", "filter"),
     4: ("sync", "cluster", "rollout", "distill", "methods", "serve.client", "agents"),
     5: ("control", "replay", "evaluate", "advantages", "early_stop", "rollout_strategies", "relex", "decode"),

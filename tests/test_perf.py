@@ -170,6 +170,22 @@ def test_a_step_of_a_run_reports_its_passes_and_both_peaks(cache, tiny_model_dir
     assert row["perf/step_tflop"] == pytest.approx(flops / 1e12)
     assert row["perf/mfu_suspect"] == 0.0
     assert all(0 < row[k] <= 1 for k in perf.MFU_KEYS) and 0 < row["perf/rollout_padding_eff"] <= 1
+    # beside the measured peak, the datasheet one (on a CPU: cores x base clock x FLOP/cycle), same FLOPs
+    nominal = perf.nominal_gflops(torch.float32, 1)
+    assert row["perf/peak_gflops_train_datasheet"] == nominal
+    if nominal is not None:
+        assert row["perf/train_mfu_datasheet"] == pytest.approx(row["perf/train_mfu"] * 1000.0 / nominal)
+
+
+def test_datasheet_peaks_by_gpu_name_and_precision():
+    from rollwise.perf_datasheet import gpu_datasheet_gflops
+
+    assert gpu_datasheet_gflops("NVIDIA H100 80GB HBM3", torch.bfloat16) == pytest.approx(989_400)
+    assert gpu_datasheet_gflops("NVIDIA H100 PCIe", torch.bfloat16) == pytest.approx(756_500)
+    assert gpu_datasheet_gflops("NVIDIA H200", torch.float32) == pytest.approx(66_900)  # no TF32 by default
+    assert gpu_datasheet_gflops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == pytest.approx(312_000)
+    assert gpu_datasheet_gflops("NVIDIA L40S", torch.bfloat16) == pytest.approx(362_050)
+    assert gpu_datasheet_gflops("NVIDIA GeForce RTX 4090", torch.bfloat16) is None  # never a guess
 
 
 # -- the cached peak ---------------------------------------------------------------------------------------

@@ -113,3 +113,74 @@ def test_the_middleware_refuses_to_start_without_a_key_and_the_key_never_goes_on
     assert cmd[cmd.index("--middleware") + 1] == "rollwise.generate.vllm_server.RequireKey"
     with pytest.raises(ServerEngineError, match="remove api_key"):
         server_command("/models/m", 8000, "float32", {"api_key": KEY})
+
+
+# -- rollout.engine_options may not move the launched server off loopback or around its key ---------------------
+REBINDS = [{"host": "0.0.0.0"}, {"hos": "0.0.0.0"}, {"port": 8000}, {"uds": "/tmp/vllm.sock"}, {"grpc": True},
+           {"grpc_port": 50051}, {"api_key": KEY}, {"api-k": KEY}, {"config": "/tmp/args.yaml"},
+           {"served_model_name": "other"}, {"dtype": "float16"},
+           {"Host": "0.0.0.0"}, {"host=0.0.0.0": True}, {"enforce_eager": "--host=0.0.0.0"}]
+
+
+@pytest.mark.parametrize("options", REBINDS, ids=lambda o: next(iter(o)))
+def test_engine_options_that_rebind_or_unkey_the_launched_server_are_refused(options, monkeypatch):
+    """On the argument builder: one line naming the key and what to do, no value printed, no process started."""
+    import subprocess
+
+    from rollwise.generate.vllm_server import launch_vllm_server
+
+    ((key, value),) = options.items()
+    with pytest.raises(ServerEngineError) as info:
+        server_command("/models/m", 8000, "float32", options)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"rollout.engine_options.{key}" in message or f"rollout.engine_options: {key!r}" in message
+    assert "remove" in message or "flag" in message
+    assert not isinstance(value, str) or value not in message.replace(repr(key), "")  # no value printed
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a server process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    with pytest.raises(ServerEngineError):
+        launch_vllm_server("/models/m", port=8000, options=options, log_path="/dev/null")
+
+
+def test_engine_options_that_rebind_are_refused_at_dry_run(tmp_path, monkeypatch):
+    """Through the CLI's validation (`rollwise train --dry-run`), only for the server rollwise launches."""
+    from typer.testing import CliRunner
+
+    from rollwise.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    base = ["train", "--dry-run", "rollout.engine=vllm"]
+    result = CliRunner().invoke(app, [*base, "rollout.server=launch", 'rollout.engine_options={host = "0.0.0.0"}'])
+    assert result.exit_code != 0
+    (line,) = [x for x in result.stderr.splitlines() if x.strip()]
+    assert "rollout.engine_options.host (--host)" in line and "remove host" in line and "127.0.0.1" in line
+    fine = CliRunner().invoke(app, [*base, "rollout.server=launch", "rollout.engine_options={enforce_eager = true}"])
+    assert fine.exit_code == 0, fine.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_vllms_own_parser_keeps_the_launched_server_on_loopback_behind_its_key():
+    """vLLM's parser (it takes unambiguous prefixes) reads rollwise's argv with allowed options as 127.0.0.1,
+    the given port and the key middleware; no flag of vLLM's that is allowed is refused by mistake."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from rollwise.generate.vllm_server import BIND_FLAGS, OWN_FLAGS, launch_option_errors
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    cmd = server_command("/models/m", 8123, "float32", {"enforce_eager": True, "max_model_len": 64,
+                                                        "disable_log_stats": True, "gpu_memory_utilization": 0.3})
+    args = parser.parse_args(cmd[3:])
+    assert (args.host, args.port, args.uds, args.middleware) == ("127.0.0.1", 8123, None,
+                                                                  ["rollwise.generate.vllm_server.RequireKey"])
+    refused = {"api-key", *BIND_FLAGS, *OWN_FLAGS}
+    flags = {o[2:] for action in parser._actions for o in action.option_strings if o.startswith("--")}
+    assert refused <= flags, "a refused flag is no longer vLLM's"
+    wrongly = [f for f in flags - refused if not f.startswith("no-") and launch_option_errors({f: 1})]
+    assert not wrongly

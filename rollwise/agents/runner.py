@@ -82,16 +82,26 @@ class AgentRunner:
         return AgentRollouts(engine, self)
 
     # -- the HTTP thread ------------------------------------------------------------------------------------
+    def known(self, token: str) -> bool:
+        """Whether `token` may call at all (a running episode's key, or the run's key): the endpoint asks this
+        before it reads a request's body."""
+        if token and secrets.compare_digest(token.encode(), self.run_key.encode()):
+            return True
+        with self._lock:
+            return token in self._live
+
     def submit(self, token: str, model: str, session: str, body: Any) -> Future:
         """Queue a call for the episode `token` (or `model`, with the run's key) names; a Future of
         (HTTP status, JSON)."""
+        from rollwise.agents.server import UNKNOWN_KEY
+
         future: Future = Future()
         with self._lock:
             episode = self._live.get(token)
             if episode is None and token and secrets.compare_digest(token.encode(), self.run_key.encode()):
                 episode = self._live.get(model)
         if episode is None:
-            future.set_result((401, {"message": "unknown API key: use the client or key rollwise gave the episode"}))
+            future.set_result((401, {"message": UNKNOWN_KEY}))
         elif episode.done:
             future.set_result((410, {"message": f"this episode is over ({episode.ended_by})"}))
         else:
@@ -107,7 +117,8 @@ class AgentRunner:
 
         from rollwise.agents.server import LoopbackServer, create_app
 
-        self._server = LoopbackServer(create_app(self.submit, self.model_name))
+        self._server = LoopbackServer(create_app(self.submit, self.model_name, self.known,
+                                                 self.settings.max_body_mb))
         self.url = self._server.url
         limits = httpx.Limits(max_connections=2 * self.settings.concurrency, max_keepalive_connections=None)
         if self.is_async:
@@ -428,8 +439,8 @@ class AgentRunner:
         calls = [c for c in episode.calls if c.session not in outcome.untrained]
         segments = stitch(calls)
         answer = outcome.answer
-        if answer is None:
-            answer = episode.calls[-1].reply["content"] if episode.calls else ""
+        if answer is None:  # the policy's own last reply: never that of an untrained session (a frozen judge)
+            answer = calls[-1].reply["content"] if calls else ""
         error = episode.error
         if error is None and not segments:
             error = "the agent program made no model call (nothing to train)"

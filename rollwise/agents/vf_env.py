@@ -9,9 +9,12 @@ a `Harness` program that plays them, an `Env` that composes them) trained in rol
   `min(data.eval_size, n/4)` tasks, whatever the seed), the rest shuffled per epoch by `train.seed`.
 - Its harness drives each episode, through verifiers' own interception server, whose client
   (`EvalClientConfig`) points at rollwise's loopback endpoint; the episode's key rides as the request's
-  `model` (the Bearer token is the run's key), and verifiers' `X-Session-ID` (its trace id) keeps the
-  conversations of a multi-agent episode apart. rollwise renders and samples every call, so the trainer sees
-  exactly the ids its engine sampled (`rollwise.agents.chat`), never verifiers' re-rendered messages.
+  `model`, the run's key as the `X-Rollwise-Run-Key` header of that client (verifiers reads a Bearer key only
+  from an environment variable, which every child process - a harness program, a reward worker, a launched
+  vLLM server - would inherit: the run's key never goes into `os.environ`), and verifiers' `X-Session-ID` (its
+  trace id) keeps the conversations of a multi-agent episode apart. rollwise renders and samples every call,
+  so the trainer sees exactly the ids its engine sampled (`rollwise.agents.chat`), never verifiers'
+  re-rendered messages.
 - Its rubric scores it: each trace's reward (the weighted sum of its `@vf.reward`s, with the parts as
   `reward/part/*`) is the reward of that trace's samples; traces an env marks untrainable (a frozen judge)
   are not trained. A failed episode (an error on the episode or a trace, a reward that did not score) fails
@@ -25,7 +28,6 @@ process (exported by the taskset's module beside its Taskset) does not.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from typing import Any
 
@@ -35,7 +37,8 @@ from rollwise.errors import UserError
 from rollwise.types import Prompt, RewardResult
 
 FAMILY = "verifiers"
-KEY_VAR = "ROLLWISE_AGENT_RUN_KEY"  # the env var verifiers' client reads the loopback key from (this process)
+# an environment variable that is never set: verifiers' client sends `Bearer EMPTY` (the run key is a header)
+UNSET_KEY_VAR = "ROLLWISE_VERIFIERS_NO_KEY"
 EXTRA_OPTIONS = ("harness", "runtime", "max_tasks")
 
 
@@ -167,8 +170,11 @@ class VerifiersProgram:
         self._holder: asyncio.Task | None = None
 
     async def start(self, base_url: str, run_key: str) -> None:
-        os.environ[KEY_VAR] = run_key
-        self.client = self.vf.EvalClientConfig(base_url=base_url, api_key_var=KEY_VAR)
+        from rollwise.agents.server import RUN_KEY_HEADER
+
+        # the key goes to the client object only: never os.environ, which every child process inherits
+        self.client = self.vf.EvalClientConfig(base_url=base_url, api_key_var=UNSET_KEY_VAR,
+                                               headers={RUN_KEY_HEADER: run_key})
         self._stop, ready = asyncio.Event(), asyncio.Event()
 
         async def hold() -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 
 from rollwise.generate.groups import make_groups
@@ -109,10 +109,13 @@ def answer_of(text: str) -> str | None:
 
 
 class DeepLook:
-    """The decoder: `run(engine, prompts, temperature, max_new_tokens)` -> traces, voters per prompt in order."""
+    """The decoder: `run(engine, prompts, temperature, max_new_tokens)` -> traces, voters per prompt in order.
+    `sampling` gives the run's `top_p`, `top_k` and `stop` (`rollout.*`): every segment and branch samples with
+    them, so a trace ends at a stop string as training's responses do."""
 
-    def __init__(self, settings: DeepLookSettings):
+    def __init__(self, settings: DeepLookSettings, sampling: SamplingParams | None = None):
         self.s = settings
+        self.sampling = sampling or SamplingParams()
         self._ids = count()
 
     def run(self, engine, prompts, temperature: float, max_new_tokens: int) -> list[Trace]:
@@ -157,21 +160,24 @@ class DeepLook:
                 max_new_tokens: int) -> list[GenerationResult]:
         """Continue each trace by up to `tokens` tokens (one engine call, traces of a prompt side by side)."""
         requests = [GenerationRequest(next(self._ids), prompts[t.prompt][1],
-                                      SamplingParams(max_new_tokens=min(max_new_tokens, len(t.ids) + tokens),
-                                                     temperature=temperature),
+                                      replace(self.sampling, max_new_tokens=min(max_new_tokens, len(t.ids) + tokens),
+                                              temperature=temperature, seed=None),
                                       response_ids=list(t.ids), response_logprobs=list(t.logprobs))
                     for t in traces]
         return engine.generate(requests)
 
 
 def deeplook_eval(engine, prompts, reward_fn, temperature: float, max_new_tokens: int, settings: DeepLookSettings,
-                  reward_timeout_s: float | None = None) -> dict[str, float | None]:
+                  reward_timeout_s: float | None = None, stop: tuple[str, ...] = (), top_p: float = 1.0,
+                  top_k: int = 0) -> dict[str, float | None]:
     """Evaluate with DeepLook: `deeplook/accuracy` (the voted answer), `deeplook/trace_accuracy` (every trace),
     `deeplook/tokens_per_prompt` (all tokens sampled, branches included), `deeplook/response_len_mean`,
-    `deeplook/triggers_per_trace`. prompts: [(Prompt, prompt ids)]."""
+    `deeplook/triggers_per_trace`. prompts: [(Prompt, prompt ids)]; `stop`, `top_p`, `top_k`: the run's
+    `rollout.*`, as plain evaluation samples."""
     if temperature <= 0:
         raise ValueError("--decode deeplook samples branches: use --temperature > 0")
-    traces = DeepLook(settings).run(engine, prompts, temperature, max_new_tokens)
+    sampling = SamplingParams(top_p=top_p, top_k=top_k, stop=tuple(stop))
+    traces = DeepLook(settings, sampling).run(engine, prompts, temperature, max_new_tokens)
     groups = make_groups(prompts, settings.voters, [t.result for t in traces])
     samples = [s for g in groups for s in g.samples]
     score_samples(samples, reward_fn, reward_timeout_s)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -134,19 +135,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# flags `rollout.engine_options` may not set on the launched server, as vLLM's parser spells them (dashes)
+BIND_FLAGS = ("host", "port", "uds", "grpc", "grpc-port")  # would listen elsewhere than 127.0.0.1:<port>
+OWN_FLAGS = ("model", "dtype", "served-model-name", "worker-extension-cls", "logprobs-mode", "config")
+FLAG_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+
+
+def launch_option_errors(options: dict) -> list[str]:
+    """One line per `rollout.engine_options` entry the launched server must not take (`rollwise train --dry-run`
+    checks them; `server_command` refuses the first): a key that names (or, as vLLM's parser accepts prefixes,
+    abbreviates) a flag that binds the server elsewhere, its key, or a flag rollwise sets itself; a key that is
+    no flag name; a value the server would read as a flag. Values are never printed (one may be a token)."""
+    errors = []
+    for key, value in options.items():
+        where = f"rollout.engine_options.{key}"
+        flag = _refused_flag(str(key))
+        if not FLAG_NAME.fullmatch(str(key)):
+            errors.append(f"rollout.engine_options: {str(key)!r} is not a vLLM flag name (lower-case letters, digits, "
+                          "_ and -); write a JSON option as a table")
+        elif flag == "api-key":
+            errors.append(f"{where}: the launched vLLM server gets a generated key in its environment; remove "
+                          f"{key} (on the command line every local user could read it)")
+        elif flag in BIND_FLAGS:
+            errors.append(f"{where} (--{flag}): the launched vLLM server listens only on 127.0.0.1, at a port "
+                          f"rollwise picks, behind its key (its routes swap the policy's weights); remove {key} (to "
+                          "serve elsewhere, start vLLM yourself and set rollout.server to its URL)")
+        elif flag is not None:
+            errors.append(f"{where} (--{flag}): rollwise sets --{flag} of the launched vLLM server itself; "
+                          f"remove {key}")
+        elif isinstance(value, str) and value.startswith("-"):
+            errors.append(f"{where}: a value that starts with '-' would be read by the server as a flag")
+    return errors
+
+
+def _refused_flag(key: str) -> str | None:
+    """The refused flag `key` names exactly or abbreviates (argparse takes an unambiguous prefix), else None."""
+    name = key.replace("_", "-")
+    return next((f for f in ("api-key", *BIND_FLAGS, *OWN_FLAGS) if name and f.startswith(name)), None)
+
+
 def server_command(model_dir: str | Path, port: int, dtype: str, options: dict | None = None) -> list[str]:
     """The argv of the server: rollwise's fixed flags (the key middleware among them; the key itself goes in
     the environment), then `options` as `--key value` (True -> `--key`, False -> `--no-key`; underscores become
-    dashes). An `api_key` option is refused: on the command line every local user could read it."""
+    dashes). `launch_option_errors` refuses what would bind the server elsewhere (`host`, `port`, ...), its key
+    (`api_key`: on the command line every local user could read it) and the flags rollwise sets itself."""
+    errors = launch_option_errors(options or {})
+    if errors:
+        raise ServerEngineError(errors[0])
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--served-model-name", "rollwise",
            "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs",
            "--disable-uvicorn-access-log", "--middleware", KEY_MIDDLEWARE]
     for key, value in (options or {}).items():
-        if key.replace("-", "_") == "api_key":
-            raise ServerEngineError("rollout.engine_options.api_key: the launched vLLM server gets a generated key "
-                                    "in its environment; remove api_key (on the command line every local user "
-                                    "could read it)")
         flag = "--" + key.replace("_", "-")
         if value is True:
             cmd.append(flag)

@@ -18,7 +18,8 @@ Here, per step:
 Groups whose rewards are all equal are kept for the method (`keeps_uniform_groups`); those that are not
 all-success (e.g. all wrong) are then left out again when `algo.filter_zero_variance` is on, as plain GRPO would.
 Logged: `echorl/echo_groups`, `echorl/echo_samples`, `echorl/clip_tokens`, `echorl/clip_nll_mean`,
-`echorl/clip_entropy_mean` against `echorl/echo_entropy_mean` (the whole echo responses: the clip is lower).
+`echorl/clip_entropy_mean` against `echorl/echo_entropy_mean` (the whole echo responses: the clip is lower), over
+the step's batch as its first pass reads it (`train.ppo_epochs` passes count each micro-batch once).
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ class EchoTerms(PolicyTerms):
     def __init__(self, echo: set[int], coef: float, frac: float) -> None:
         self.echo, self.coef, self.frac = echo, coef, frac
         self.sums: dict[str, float] = {}
+        self.seen: set[int] = set()
+        self.batches: list[MicroBatch] = []  # keeps the ids in `seen` unique for the step
 
     def start(self) -> None:
-        self.sums = {}
+        self.sums, self.seen, self.batches = {}, set(), []
 
     def _add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
@@ -79,13 +82,19 @@ class EchoTerms(PolicyTerms):
             raise RuntimeError("echorl selects its clips by policy entropy; the trainer passed none")
         echo_mask = mb.loss_mask * rows[:, None].to(mb.loss_mask.dtype)  # [S, T]
         clip = echo_clip_mask(entropy, echo_mask, self.frac).to(logp.dtype)  # [S, T]
+        if id(mb) not in self.seen:  # several passes (ppo_epochs) read the same micro-batch: count its first once
+            self.seen.add(id(mb))
+            self.batches.append(mb)
+            self._count(logp, entropy, clip, echo_mask)
+        return self.coef * aggregate(-logp * clip, clip)
+
+    def _count(self, logp, entropy, clip, echo_mask) -> None:
         with torch.no_grad():
             self._add("clip_tokens", float(clip.sum()))
             self._add("echo_tokens", float(echo_mask.sum()))
             self._add("clip_nll", float((-logp * clip).sum()))
             self._add("clip_entropy", float((entropy * clip).sum()))
             self._add("echo_entropy", float((entropy * echo_mask).sum()))
-        return self.coef * aggregate(-logp * clip, clip)
 
     def metrics(self) -> dict[str, float]:
         s = self.sums

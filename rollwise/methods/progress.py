@@ -10,6 +10,8 @@ policy moves away from its reference, steps it has come to prefer (P_k > 0) gain
 to avoid lose it, within every response (a step-level credit that outcome advantages do not have).
 `algo.advantage` stays an outcome estimator (grpo, ...): it gives A_outcome. Set it to "progress" with the plain
 method and the trainer would treat it as a critic estimator; that is what this method is for.
+`train.old_logprobs = "behaviour"` is refused at --dry-run: the trainer would then hand the terms the engine's
+log-probs (bf16 or int8 ones), and the ratio would not be 0 at step 0.
 Logged: `progress/logratio_mean` (per trained token), `progress/step_abs_mean` (|P_k| per token),
 `progress/adv_shift_abs_mean` (|coef x P| per token: how far the step scores move the advantages).
 """
@@ -71,7 +73,12 @@ class Progress(Method):
 
     @classmethod
     def checks(cls, cfg) -> list[str]:
-        return outcome_advantage_errors("progress", cfg, "adds step scores to outcome advantages")
+        errors = outcome_advantage_errors("progress", cfg, "adds step scores to outcome advantages")
+        if cfg.train.old_logprobs == "behaviour":  # the trainer would hand the terms the engine's log-probs
+            errors.append("algo.method = 'progress' scores log pi - log pi_ref with the trainer's own log-probs; "
+                          "train.old_logprobs = 'behaviour' hands it the engine's (bf16/int8 drift counts as "
+                          "progress from step 0): set train.old_logprobs = 'recompute'")
+        return errors
 
     def prepare(self, step: StepInput) -> Prepared:
         a = self.setup.cfg.algo

@@ -3,72 +3,80 @@ hosted API), in the LLM-as-a-judge style of Zheng et al. 2023 (MT-Bench) and the
 
 Each sample becomes one `POST {judge_url}/chat/completions` (temperature 0, `judge_max_tokens`) whose user
 message is `reward.judge_template` filled with `{question}` (the prompt's last user turn), `{reference}` (the
-prompt's answer; `{answer}` is the same) and `{response}` (the policy's response). The judge's answer must hold
-`Score: N` or `<score>N</score>` (the last one counts), N in 0..judge_score_max: the reward is
-N / judge_score_max, part `judge`, correct at `judge_threshold` or above.
+prompt's answer; `{answer}` is the same) and `{response}` (the policy's response), each as a block between its
+own tags that the text inside cannot close (`rollwise.rewards.judge_verdict`). The judge's answer must end with
+its one verdict line `Score: N` (alone on the last non-empty line, the only such line), N in 0..judge_score_max,
+and must have finished (`finish_reason` "stop"): the reward is N / judge_score_max, part `judge`, correct at
+`judge_threshold` or above. Anything else (no verdict, a verdict not last, several verdict lines, an answer cut
+off at `judge_max_tokens`) is a failed judgement, never a score.
 
 A step's samples are judged concurrently (`judge_concurrency` requests in flight) through the batch hook
 `score_many` of `rollwise.rewards.scoring`. Each sample has `reward.timeout_s`, retries included: a network
 error, a timeout or HTTP 429 / 5xx is retried up to `judge_retries` times with a short backoff; another HTTP
-error, or an answer without a score or with one out of range, is not. A judgement that fails marks its sample
+error (408 and 409 included), or an answer that fails as above, is not. A judgement that fails marks its sample
 FAILED with the reason (`reward/errors`, `reward_error` in the samples log), never a silent 0; every sample of
 `reward.max_failed_steps` steps failing stops the run (`RewardFailureGuard`).
 
 The key: `reward.judge_api_key`, else `$ROLLWISE_JUDGE_API_KEY` (a secret: never written to config.toml), sent
-as `Authorization: Bearer`; none when neither is set (a local vLLM).
+as `Authorization: Bearer`; none when neither is set (a local vLLM). A key bound for a plain `http://` URL whose
+host is not loopback gets one warning when the judge is built: it travels unencrypted.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
-import re
 import string
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
 from rollwise.config import RewardConfig, secret_value
+from rollwise.rewards.judge_verdict import (
+    DEFAULT_TEMPLATE,
+    FIELDS,
+    JudgeError,
+    check_finished,
+    fill,
+    parse_score,
+)
 from rollwise.types import RewardResult, Sample
 
+__all__ = ["DEFAULT_TEMPLATE", "JudgeError", "JudgeReward", "config_errors", "judge", "parse_score"]
+
 KEY_ENV = "ROLLWISE_JUDGE_API_KEY"
-FIELDS = ("question", "reference", "answer", "response")
-DEFAULT_TEMPLATE = """You grade a response to a question against the reference answer.
-
-Question:
-{question}
-
-Reference answer:
-{reference}
-
-Response:
-{response}
-
-Is the response's final answer correct and equivalent to the reference answer? Reply with one line
-"Score: N", where N is an integer from 0 (wrong) to 10 (correct)."""
-# `Score: 7`, `score = 7.5`, `**Score:** 7`, `<score>7</score>`; the last one in the answer counts
-SCORE_RE = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>|\bscore\b\W{0,4}?([-+]?\d+(?:\.\d+)?)", re.I)
-RETRY_STATUS = (408, 409, 429, 500, 502, 503, 504)
 BACKOFF_S = 0.5  # before retry r (from 0): BACKOFF_S * 2**r, within the sample's time left
 EXCERPT_CHARS = 160
+_warned_urls: set[str] = set()
 
 
-class JudgeError(RuntimeError):
-    """One judgement failed; the message is the sample's `reward_error`."""
+def retried(status: int) -> bool:
+    """HTTP statuses worth another try: 429 (rate limit) and 5xx (the server's fault), nothing else."""
+    return status == 429 or 500 <= status <= 599
 
 
-def parse_score(text: str, score_max: float) -> float:
-    """The last `Score: N` / `<score>N</score>` of the judge's answer, normalised to [0, 1] by `score_max`.
-    JudgeError when there is none or it is outside 0..score_max."""
-    found = SCORE_RE.findall(text or "")
-    if not found:
-        raise JudgeError(f"the judge's answer holds no 'Score: N': {_excerpt(text)}")
-    number = float(next(g for g in found[-1] if g))
-    if not 0.0 <= number <= score_max:
-        raise JudgeError(f"the judge's score {number:g} is outside 0..{score_max:g}: {_excerpt(text)}")
-    return number / score_max
+def warn_plain_http(url: str, api_key: str | None) -> None:
+    """Once per URL and process: a Bearer key bound for plain http:// on a host that is not loopback."""
+    parts = urlsplit(url)
+    if not api_key or parts.scheme != "http" or _is_loopback(parts.hostname or "") or url in _warned_urls:
+        return
+    _warned_urls.add(url)
+    print(f"rollwise: warning: reward.judge_url {url!r} is plain http:// to {parts.hostname!r}, not loopback: "
+          "the judge's key travels unencrypted with every request; use https://", file=sys.stderr, flush=True)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def config_errors(cfg: RewardConfig) -> list[str]:
@@ -90,6 +98,9 @@ def config_errors(cfg: RewardConfig) -> list[str]:
                       f"{', '.join('{' + f + '}' for f in FIELDS)} (write a literal brace as {{{{ or }}}})")
     if "response" not in names:
         errors.append("reward.judge_template must contain {response}: the judge cannot grade what it does not see")
+    if "Score:" not in template:
+        errors.append("reward.judge_template must ask for the verdict as the last line of the judge's answer, "
+                      "'Score: N' (only that line is read)")
     return errors
 
 
@@ -118,8 +129,9 @@ class JudgeReward:
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> "JudgeReward":
         """The judge of the `reward.judge_*` settings (see the module docstring)."""
-        return cls(url=cfg.judge_url.rstrip("/"), model=cfg.judge_model,
-                   api_key=secret_value(cfg.judge_api_key) or os.environ.get(KEY_ENV) or None,
+        api_key = secret_value(cfg.judge_api_key) or os.environ.get(KEY_ENV) or None
+        warn_plain_http(cfg.judge_url.rstrip("/"), api_key)
+        return cls(url=cfg.judge_url.rstrip("/"), model=cfg.judge_model, api_key=api_key,
                    template=cfg.judge_template if cfg.judge_template is not None else DEFAULT_TEMPLATE,
                    max_tokens=cfg.judge_max_tokens, concurrency=cfg.judge_concurrency, retries=cfg.judge_retries,
                    score_max=cfg.judge_score_max, threshold=cfg.judge_threshold, timeout_s=cfg.timeout_s)
@@ -155,8 +167,7 @@ class JudgeReward:
         reference = prompt.answer
         if reference is None and ("{reference}" in self.template or "{answer}" in self.template):
             raise JudgeError(f"prompt {prompt.source or prompt.uid!r} has no reference answer for the judge template")
-        return self.template.format(question=question, reference=reference or "", answer=reference or "",
-                                    response=sample.response_text)
+        return fill(self.template, str(question), "" if reference is None else str(reference), sample.response_text)
 
     def close(self) -> None:
         with self._lock:
@@ -202,19 +213,22 @@ class JudgeReward:
                 "temperature": 0.0, "messages": [{"role": "user", "content": content}]}
         answer = self._request("POST", "/chat/completions", body, deadline, timeout_s)
         try:
-            text = answer["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
+            choice = answer["choices"][0]
+            text, reason = str(choice["message"]["content"] or ""), choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise JudgeError(f"the judge server's answer has no choices[0].message.content: "
                              f"{_excerpt(str(answer))}") from None
-        return text or ""
+        check_finished(reason, text, self.max_tokens)
+        return text
 
     def _request(self, method: str, path: str, body: dict | None, deadline: float, timeout_s: float) -> dict:
         """The JSON answer of one call, retried on network errors, timeouts and 429 / 5xx within `deadline`."""
-        last = ""
+        last, sent = "", 0
         for attempt in range(self.retries + 1):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            sent += 1
             try:
                 answer = self._http().request(method, self.url + path, json=body, timeout=left)
             except httpx.TimeoutException:
@@ -229,13 +243,16 @@ class JudgeReward:
                         raise JudgeError(f"the judge server answered {path} with no JSON: "
                                          f"{_excerpt(answer.text)}") from None
                 last = f"HTTP {answer.status_code}: {_excerpt(_error_message(answer))}"
-                if answer.status_code not in RETRY_STATUS:
+                if not retried(answer.status_code):
                     hint = " (reward.judge_api_key or $ROLLWISE_JUDGE_API_KEY)" if answer.status_code == 401 else ""
                     raise JudgeError(f"judge {self.url}{path}: {last}{hint}")
             if attempt < self.retries:
                 time.sleep(max(0.0, min(BACKOFF_S * 2**attempt, deadline - time.monotonic())))
-        raise JudgeError(f"judge {self.url}{path} failed after {attempt + 1} attempt(s) within "
-                         f"reward.timeout_s={timeout_s:g} s: {last or 'no time left'}")
+        if not sent:
+            raise JudgeError(f"judge {self.url}{path}: no request was sent, reward.timeout_s={timeout_s:g} s had "
+                             "run out before it")
+        raise JudgeError(f"judge {self.url}{path} failed after {sent} attempt(s) within "
+                         f"reward.timeout_s={timeout_s:g} s: {last}")
 
 
 def _error_message(answer: httpx.Response) -> str:

@@ -152,3 +152,17 @@ def continue_samples(engine, samples: list[Sample], params: SamplingParams, ids:
 
     generate_on(engine, counted_on or engine, requests, on_finish)
     return sum(len(s.response_ids) for s in samples) - before
+
+
+def engine_rng_state(engine) -> Any:
+    """The sampling RNG state of a strategy's own engine (EEPO's explorer, Tandem's junior), for its `state_dict`:
+    None when the engine keeps none it can give (`caps.rng_state`)."""
+    caps = getattr(engine, "caps", None)
+    return engine.rng_state() if caps is not None and caps.rng_state else None
+
+
+def set_engine_rng_state(engine, state: Any) -> None:
+    """Restore what `engine_rng_state` gave (nothing when it gave None)."""
+    caps = getattr(engine, "caps", None)
+    if state is not None and caps is not None and caps.rng_state:
+        engine.set_rng_state(state)

@@ -33,7 +33,8 @@ from itertools import count
 import torch
 
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete
-from rollwise.rollout_strategies import StrategyContext, continue_samples, require_continuation
+from rollwise.rollout_strategies import (StrategyContext, continue_samples, engine_rng_state, require_continuation,
+                                        set_engine_rng_state)
 from rollwise.types import Group, Sample, SamplingParams, Status
 
 
@@ -42,7 +43,8 @@ def eepo_strategy(cfg, context: StrategyContext) -> "EEPOStrategy":
     from rollwise.generate.torch_engine import TorchEngine
 
     r = cfg.rollout
-    explorer = TorchEngine(context.model, context.tokenizer, dtype=engine_dtype(cfg.model.dtype),
+    explorer = TorchEngine(context.model, context.tokenizer,
+                           dtype=engine_dtype(cfg.model.dtype, next(context.model.parameters()).device),
                            max_batch_size=r.max_batch_size, seed=context.seed + 11)
     pad_id = context.tokenizer.pad_token_id if context.tokenizer.pad_token_id is not None else explorer.pad_id
     return EEPOStrategy(context.model, explorer, r.eepo_unlearn_steps, r.eepo_unlearn_lr, pad_id)
@@ -123,6 +125,14 @@ class EEPOStrategy:
             del optimizer
         self.scratch.zero_grad(set_to_none=True)
         self.explorer.update_weights({n: p.detach() for n, p in self.scratch.named_parameters()}, version)
+
+    def state_dict(self) -> dict:
+        """The explorer's sampling RNG: a resumed run samples the second halves as the uninterrupted one does (its
+        weights need nothing: every round resets the copy from the policy)."""
+        return {"explorer_rng": engine_rng_state(self.explorer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_engine_rng_state(self.explorer, state.get("explorer_rng"))
 
     def _record(self, key: str, value: float | None) -> None:
         if value is not None:

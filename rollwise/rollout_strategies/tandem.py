@@ -27,7 +27,8 @@ import random
 from itertools import count
 
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete, merge_result
-from rollwise.rollout_strategies import StrategyContext, force_tokens, generate_on, require_continuation
+from rollwise.rollout_strategies import (StrategyContext, engine_rng_state, force_tokens, generate_on,
+                                        require_continuation, set_engine_rng_state)
 from rollwise.types import GenerationRequest, Group, Sample, SamplingParams, Status
 
 
@@ -36,8 +37,10 @@ def tandem_strategy(cfg, context: StrategyContext) -> "TandemStrategy":
     from rollwise.generate.torch_engine import TorchEngine
 
     r = cfg.rollout
+    initial = None
     if r.tandem_junior is None:
         junior = context.model  # the engine takes its own frozen copy of the initial weights
+        initial = cfg.model.name  # on resume `context.model` holds the trained weights: the junior reads these again
     else:
         from rollwise.models import load_model
 
@@ -45,9 +48,20 @@ def tandem_strategy(cfg, context: StrategyContext) -> "TandemStrategy":
         if tokenizer.get_vocab() != context.tokenizer.get_vocab():
             raise ValueError(f"rollout.tandem_junior = {r.tandem_junior!r} has another tokenizer than the policy; "
                              "the junior must share it (the two write into one token sequence)")
-    engine = TorchEngine(junior, context.tokenizer, dtype=engine_dtype(cfg.model.dtype),
+    engine = TorchEngine(junior, context.tokenizer,
+                         dtype=engine_dtype(cfg.model.dtype, next(context.model.parameters()).device),
                          max_batch_size=r.max_batch_size, seed=context.seed + 7)
-    return TandemStrategy(engine, r.tandem_segment_tokens, r.tandem_junior_prob, context.seed)
+    return TandemStrategy(engine, r.tandem_segment_tokens, r.tandem_junior_prob, context.seed, initial=initial)
+
+
+def _initial_weights(name: str) -> dict:
+    """The starting model's weights (fp32, as the run loads its policy), read again from `model.name`."""
+    import torch
+
+    from rollwise.models import load_model
+
+    model, _ = load_model(name, dtype=torch.float32)
+    return model.state_dict()
 
 
 class TandemStrategy:
@@ -56,10 +70,13 @@ class TandemStrategy:
         segment_tokens: tokens per segment.
         junior_prob: probability that a segment after the first is the junior's.
         seed: seed of the authors' draw.
+        initial: with no `rollout.tandem_junior`, the starting model (`model.name`) the junior copies: a resumed
+            run's policy is the trained one, so `load_state_dict` gives the junior these weights again.
     """
 
-    def __init__(self, junior, segment_tokens: int, junior_prob: float, seed: int):
+    def __init__(self, junior, segment_tokens: int, junior_prob: float, seed: int, initial: str | None = None):
         self.junior, self.segment_tokens, self.junior_prob = junior, segment_tokens, junior_prob
+        self.initial = initial
         self.rng = random.Random(seed)
         self._counts = {"responses": 0, "segments": 0, "junior_segments": 0, "tokens": 0, "junior_tokens": 0}
 
@@ -118,10 +135,16 @@ class TandemStrategy:
         generate_on(engine, counted_on, requests, on_finish)  # junior tokens count in rollout/tokens too
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.getstate()}
+        """The authors' draw and the junior engine's sampling RNG: a resumed run writes what the uninterrupted
+        one would."""
+        return {"rng": self.rng.getstate(), "junior_rng": engine_rng_state(self.junior)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Called on resume only (once the strategy is built from the checkpoint's policy)."""
         self.rng.setstate(state["rng"])
+        set_engine_rng_state(self.junior, state.get("junior_rng"))
+        if self.initial is not None:  # the junior copied the resumed (trained) policy: back to the starting one
+            self.junior.update_weights(_initial_weights(self.initial), self.junior.version)
 
     def metrics(self) -> dict[str, float]:
         c, self._counts = self._counts, dict.fromkeys(self._counts, 0)

@@ -4,7 +4,7 @@ Routes (every one under /v1 needs `Authorization: Bearer <token>`; /health does 
 
 | route                              | what                                                                   |
 |------------------------------------|------------------------------------------------------------------------|
-| GET  /health                       | liveness, policy version, queue length                                 |
+| GET  /health                       | liveness, policy version, queue length, the engine (kind, device...)   |
 | GET  /v1/models                    | the served model (OpenAI shape)                                        |
 | POST /v1/completions               | OpenAI completions; `prompt` as text or token ids; + token ids, logprobs |
 | POST /v1/chat/completions          | messages -> the chat template -> the same, + `prompt_token_ids`        |
@@ -43,7 +43,7 @@ from rollwise.serve.protocol import (MAX_N, BadRequest, Limits, chat_messages, c
                                      check_ids, check_length, check_prompt_count, completion_prompts,
                                      completion_response, engine_requests, parse_json, read_body, sampling_from)
 from rollwise.serve.weights import read_weights
-from rollwise.types import Prompt
+from rollwise.types import Prompt, SamplingParams
 
 DISCONNECT_POLL_S = 0.2  # how often a waiting completion checks that its client is still connected
 
@@ -68,6 +68,8 @@ class Service:
     system_prompt: str | None = None
     episode_max_tokens: int = 64  # per assistant turn, when a job does not say (rollout.max_new_tokens)
     serve_cfg: ServeConfig = field(default_factory=ServeConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # top_p, top_k, stop a request leaves out
+    engine: dict = field(default_factory=dict)  # what generates (`rollwise.generate.factory.engine_summary`)
     weight_uploads: int = 0  # in progress now (changed on the event loop only)
     _envs: dict = field(default_factory=dict)
     _codec: object = None
@@ -186,7 +188,7 @@ def create_app(service: Service) -> FastAPI:
     async def health():
         w = service.worker
         out = {"status": "ok", "model": service.model_name, "policy_version": w.version, "queued": w.queued(),
-               "running_job": w.running.id if w.running is not None else None}
+               "running_job": w.running.id if w.running is not None else None, "engine": service.engine}
         failure = w.failure()
         if failure is not None:
             out["status"] = "dead"
@@ -207,7 +209,7 @@ def create_app(service: Service) -> FastAPI:
         tokenizer = service.tokenizer
         try:
             n = check_common(body)
-            params = sampling_from(body)
+            params = sampling_from(body, defaults=service.sampling)
             if "prompt" not in body:
                 raise BadRequest("prompt is required (text or a list of token ids)")
             prompts = completion_prompts(body["prompt"], tokenizer, service.limits,
@@ -228,7 +230,7 @@ def create_app(service: Service) -> FastAPI:
         body = await body_of(request)
         try:
             n = check_common(body)
-            params = sampling_from(body)
+            params = sampling_from(body, defaults=service.sampling)
             messages = chat_messages(body)
             ids = encode_prompt(Prompt("chat", messages), service.tokenizer, None)
             check_length(ids, params.max_new_tokens, service.limits)
@@ -312,7 +314,7 @@ def episode_job(body: dict, service: Service) -> EpisodeJob:
     max_turns = body.get("max_turns")
     if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
         raise BadRequest(f"max_turns must be an integer >= 1, got {max_turns!r}")
-    params = sampling_from(body, default_max_tokens=service.episode_max_tokens)
+    params = sampling_from(body, default_max_tokens=service.episode_max_tokens, defaults=service.sampling)
     env = service.env(name, max_turns)
     encoded = []
     for i, row in enumerate(prompts):

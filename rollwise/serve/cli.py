@@ -1,4 +1,6 @@
-"""`rollwise serve [CONFIG] [--host] [--port] [--api-key] [--model]`: load the policy, serve it until Ctrl-C.
+"""`rollwise serve [CONFIG] [--host] [--port] [--api-key] [--model] [--device] [--engine]`: load the policy, serve
+it until Ctrl-C, on the engine the config names (`rollout.engine`, `engine_options`, `train.device`, `model.dtype`);
+`--model RUN_DIR` (or one of its checkpoints) serves it with the run's own config.toml.
 
 The token clients must send is, first found: `--api-key`, `serve.api_key`, `$ROLLWISE_SERVE_API_KEY`, else a
 generated one, printed once at start (a configured token is never printed).
@@ -7,6 +9,7 @@ generated one, printed once at start (a configured token is never printed).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -14,18 +17,25 @@ from pathlib import Path
 from rollwise.config import Config, secret_value
 from rollwise.serve.app import RunningServer, Service, create_app, limits_of, new_api_key
 from rollwise.serve.jobs import Worker
+from rollwise.types import SamplingParams
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_KEY_ENV = "ROLLWISE_SERVE_API_KEY"
 
 
 def build_service(cfg: Config, engine, tokenizer, model_name: str, api_key: str | None = None) -> Service:
-    """A Service over `engine` (a worker thread starts and owns it); `api_key` None = a generated token."""
+    """A Service over `engine` (a worker thread starts and owns it); `api_key` None = a generated token. A
+    request that leaves out `top_p`, `top_k` or `stop` samples with the run's (`rollout.*`)."""
+    from rollwise.generate.factory import engine_summary
+
     worker = Worker(engine, tokenizer, max_queued=cfg.serve.max_queued_requests,
                     episode_ttl_s=cfg.serve.episode_ttl_s)
+    rollout = cfg.rollout
     return Service(worker, tokenizer, model_name, api_key or new_api_key(), limits_of(engine, tokenizer),
                    env_cfg=cfg.env, system_prompt=cfg.data.system_prompt,
-                   episode_max_tokens=cfg.rollout.max_new_tokens, serve_cfg=cfg.serve)
+                   episode_max_tokens=rollout.max_new_tokens, serve_cfg=cfg.serve,
+                   sampling=SamplingParams(top_p=rollout.top_p, top_k=rollout.top_k, stop=tuple(rollout.stop)),
+                   engine=engine_summary(cfg, engine))
 
 
 def configured_key(flag: str | None, cfg: Config) -> str | None:
@@ -33,44 +43,66 @@ def configured_key(flag: str | None, cfg: Config) -> str | None:
     return flag or secret_value(cfg.serve.api_key) or os.environ.get(SERVE_KEY_ENV) or None
 
 
-def load_engine(cfg: Config, run_dir: Path):
-    """(engine, tokenizer) of `cfg.model.name` through `rollwise.generate.factory.build_engine` (version 0)."""
-    import torch
-
-    from rollwise.generate.factory import build_engine
+def load_engine(cfg: Config, run_dir: Path, target: str | None = None):
+    """(engine, tokenizer) of the policy `target` (default `cfg.model.name`; a LoRA checkpoint is merged into its
+    base, `model.name`) on the run's engine (`rollwise.generate.factory.open_engine`: `rollout.engine`,
+    `engine_options`, `train.device`, `model.dtype` decided by that device), version 0; `run_dir` is a scratch
+    folder for a vLLM engine's weights."""
+    from rollwise.evaluate_cli import load_policy
+    from rollwise.generate.factory import open_engine
     from rollwise.hardware import configure_threads
-    from rollwise.models import load_model
 
     configure_threads(cfg.model.threads)
-    model, tokenizer = load_model(cfg.model.name, dtype=torch.float32)
-    return build_engine(cfg, model, tokenizer, run_dir), tokenizer
+    policy, tokenizer = load_policy(target or cfg.model.name, cfg.model.name)
+    return open_engine(cfg, policy, tokenizer, run_dir), tokenizer
+
+
+def serve_config(config: str | None, overrides: list[str], model: str | None, device: str | None = None,
+                 engine: str | None = None) -> tuple[Config, str | None]:
+    """(config, policy to load). `model` a run directory or one of its checkpoints: that checkpoint, with the
+    run's own config.toml when no CONFIG is given (its engine, device, dtype and sampling); another model:
+    `model.name`. `device` / `engine` (`--device`, `--engine`) override the config's."""
+    from rollwise.config_load import load_config
+    from rollwise.evaluate_cli import resolve_target
+    from rollwise.generate.factory import apply_engine_flags
+    from rollwise.validate import validate
+
+    target, recipe = resolve_target(model) if model else (None, None)
+    if recipe is None:
+        target = None
+        overrides = overrides + ([f"model.name={_quote(model)}"] if model else [])
+    elif config is None and recipe.exists():
+        config = str(recipe)
+    cfg = load_config(config, overrides)
+    for note in apply_engine_flags(cfg, device, engine, overrides):
+        print(f"rollwise serve: {note}", file=sys.stderr, flush=True)
+    return validate(cfg), target
 
 
 def serve_command(config: str | None, overrides: list[str], host: str | None, port: int | None,
-                  api_key: str | None, model: str | None) -> None:
+                  api_key: str | None, model: str | None, device: str | None = None,
+                  engine: str | None = None) -> None:
     """Serve until Ctrl-C (or the server thread ends); the engine and worker are closed on the way out."""
-    from rollwise.validate import load
-
-    extra = [f"model.name={_quote(model)}"] if model else []
-    cfg = load(config, overrides + extra)
+    cfg, target = serve_config(config, overrides, model, device, engine)
     from rollwise import sandbox
 
     sandbox.allow_unconfined(cfg.sandbox.allow_unconfined)  # episode jobs of code environments (pyexec)
     host = host or cfg.serve.host
     port = cfg.serve.port if port is None else port
     configured = configured_key(api_key, cfg)
+    name = model or cfg.model.name
     run_dir = Path(tempfile.mkdtemp(prefix="rollwise-serve-"))
-    print(f"rollwise serve: loading {cfg.model.name} ...", flush=True)
-    engine, tokenizer = load_engine(cfg, run_dir)
+    print(f"rollwise serve: loading {target or cfg.model.name} ...", flush=True)
+    generator, tokenizer = load_engine(cfg, run_dir, target)
     service = server = None
     try:
-        service = build_service(cfg, engine, tokenizer, cfg.model.name, configured)
+        service = build_service(cfg, generator, tokenizer, name, configured)
         server = RunningServer(create_app(service), host, port)
         if host not in LOOPBACK:
             print(f"rollwise serve: WARNING: bound to {host}: anyone who can reach it and has the token can "
                   "sample from and overwrite the policy", file=sys.stderr, flush=True)
-        print(f"rollwise serve: {server.url}/v1 (model {cfg.model.name}, policy version {engine.version})",
-              flush=True)
+        print(f"rollwise serve: {server.url}/v1 (model {name}, policy version {generator.version}; "
+              f"{describe(service.engine)})", flush=True)
         print(f"rollwise serve: token: {service.api_key}" if configured is None else
               f"rollwise serve: token: the one configured (--api-key, serve.api_key or ${SERVE_KEY_ENV})",
               flush=True)
@@ -83,7 +115,14 @@ def serve_command(config: str | None, overrides: list[str], host: str | None, po
             server.stop()
         if service is not None:
             service.worker.close()
-        engine.close()
+        generator.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def describe(used: dict) -> str:
+    """`engine torch on cuda:0, bfloat16, options {...}`: the engine line printed at start."""
+    options = f", options {used['options']}" if used.get("options") else ""
+    return f"engine {used['engine']} on {used['device']}, {used['dtype']}{options}"
 
 
 def watch(server: RunningServer, worker: Worker, poll_s: float = 0.5) -> None:

@@ -88,24 +88,27 @@ def _number(body: dict, key: str, default, kind=float):
     return kind(value)
 
 
-def sampling_from(body: dict, default_max_tokens: int = 16) -> SamplingParams:
-    """`max_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `seed` of a request -> SamplingParams."""
+def sampling_from(body: dict, default_max_tokens: int = 16, defaults: SamplingParams | None = None) -> SamplingParams:
+    """`max_tokens`, `temperature`, `top_p`, `top_k`, `stop`, `seed` of a request -> SamplingParams. `top_p` and
+    `top_k` left out (or null) are `defaults`' (the served run's `rollout.*`; else 1 and 0), and so is `stop` left
+    out (`"stop": null` or `[]` is no stop string)."""
+    defaults = defaults or SamplingParams()
     max_tokens = _number(body, "max_tokens", default_max_tokens, int)
     if max_tokens <= 0:
         raise BadRequest(f"max_tokens must be > 0, got {max_tokens}")
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise BadRequest(f"temperature must be >= 0, got {temperature}")
-    top_p = _number(body, "top_p", 1.0)
+    top_p = _number(body, "top_p", defaults.top_p)
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
-    top_k = _number(body, "top_k", 0, int)
+    top_k = _number(body, "top_k", defaults.top_k, int)
     if top_k < 0:
         raise BadRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest(f"seed must be an integer, got {seed!r}")
-    stop = body.get("stop") or []
+    stop = (body.get("stop") or []) if "stop" in body else list(defaults.stop)
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a non-empty string or a list of non-empty strings")

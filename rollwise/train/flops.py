@@ -9,7 +9,8 @@ are shared, so its FLOPs depend on how the samples split.
 
 from __future__ import annotations
 
-from rollwise.perf import FlopCounter, checked_mfu, rollout_flops, run_peak_spec, train_flops
+from rollwise.perf import FlopCounter, PeakSpec, checked_mfu, rollout_flops, run_peak_spec, train_flops
+from rollwise.perf_datasheet import datasheet_gflops
 from rollwise.train.batching import split_by_tokens
 
 
@@ -45,7 +46,19 @@ def step_perf(run, batch, samples, trained, seconds: dict[str, float],
         flops["method"] = reference_flops(teacher.flops, scored, cfg.train.micro_batch_tokens,
                                           cfg.train.share_prompt)
         teacher.last_scored = []
-    out = checked_mfu(flops, seconds, batch.generate_s, run_peak_spec(run), step=run.step)
+    spec = run_peak_spec(run)
+    out = checked_mfu(flops, seconds, batch.generate_s, spec, step=run.step)
+    out.update(datasheet_mfu(flops, seconds, spec))
     out["perf/step_tflop"] = sum(flops.values()) / 1e12
     out["perf/rollout_padding_eff"] = stats.padding_eff
     return out
+
+
+def datasheet_mfu(flops: dict[str, float], seconds: dict[str, float], spec: PeakSpec) -> dict[str, float | None]:
+    """`perf/train_mfu_datasheet`: train FLOPs / train seconds / the datasheet peak of the trainer's device and
+    precision (`rollwise.perf_datasheet`), beside `perf/train_mfu` (the measured peak); None where the device's
+    datasheet figure is not known. `perf/peak_gflops_train_datasheet` names the denominator."""
+    peak = datasheet_gflops(spec.train_dtype, spec.train_on_cpu, spec.threads)
+    train_s = seconds.get("train", 0.0)
+    mfu = flops.get("train", 0.0) / train_s / (peak * 1e9) if peak and train_s > 0 else None
+    return {"perf/train_mfu_datasheet": mfu, "perf/peak_gflops_train_datasheet": peak}

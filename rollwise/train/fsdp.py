@@ -275,12 +275,13 @@ class FSDPTrainer(Trainer):
 
     def _merged(self, acc: _Accumulator) -> _Accumulator:
         """Sums and weights of every rank's metrics added up (weight-0 entries: the maximum over ranks)."""
+        acc.materialize()
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (acc.sums, acc.weights))
+        dist.all_gather_object(gathered, (acc.sums, acc.weights, acc.maxima))
         out = _Accumulator()
-        for sums, weights in gathered:
+        for sums, weights, maxima in gathered:
             for key, value in sums.items():
-                if weights[key] == 0.0:
+                if key in maxima:
                     out.keep_max(key, value)
                 else:
                     out.sums[key] = out.sums.get(key, 0.0) + value

@@ -62,25 +62,30 @@ class Objective:
         return self.agg_fn(per_token, mask, **options)
 
     def loss(self, logp, old_logp, behaviour_logp, advantages, mask, norms: dict, seed: int,
-             entropy=None, ref_logp=None) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scalar loss of one micro-batch (without the value term) and its metrics.
+             entropy=None, ref_logp=None) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """Scalar loss of one micro-batch (without the value term) and its metrics (0-dim tensors stay on the
+        device).
 
         logp, old_logp, behaviour_logp, mask, entropy, ref_logp: [S, T]; advantages: [S] or [S, T].
         """
         per_token, metrics = self.loss_fn(logp, old_logp, advantages, mask, **self._loss_options(seed))
-        out = {f"train/{k}": float(v) for k, v in metrics.items()}
+        out = {f"train/{k}": _detached(v) for k, v in metrics.items()}  # read back once per step
         if self.cfg.is_correction != "none":
             is_options = dict(self.cfg.is_options)
             if _accepts(self.is_fn, "seed"):
                 is_options.setdefault("seed", seed)
             weights, is_metrics = self.is_fn(old_logp, behaviour_logp, mask, **is_options)
             per_token = per_token * weights
-            out.update({f"is/{k}": float(v) for k, v in is_metrics.items()})
+            out.update({f"is/{k}": _detached(v) for k, v in is_metrics.items()})
         loss = self.aggregate(per_token, mask, norms)
         if self.cfg.entropy_coef > 0 and entropy is not None:
             loss = loss + self.aggregate(algo.entropy_bonus(entropy, self.cfg.entropy_coef), mask, norms)
         if ref_logp is not None and not self.cfg.kl_in_reward:
             kl_tok = algo.kl(self.cfg.kl_estimator, logp, ref_logp)  # [S, T]
             loss = loss + self.cfg.kl_coef * self.aggregate(kl_tok, mask, norms)
-            out["train/kl"] = float((kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1))
+            out["train/kl"] = (kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1)
         return loss, out
+
+
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else float(value)

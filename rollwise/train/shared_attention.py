@@ -1,22 +1,25 @@
-"""Attention for prompt-shared rows `[prompt, response 1, ..., response G]`, without the masked-out blocks.
+"""Attention for packed prompt-shared micro-batches, through fused kernels and no `[L, L]` mask.
 
-With one dense `[L, L]` mask per row (L = P + sum of response lengths), attention costs O(L^2) although each
-response only sees the prompt and itself. This function computes the same result block by block:
+A packed micro-batch is one row of units `[prompt, response 1, ..., response G]` laid end to end with no padding
+(`rollwise.train.batching`). Each response must see its own prompt and itself only; each prompt itself only.
+With one dense `[L, L]` mask, attention costs O(L^2) memory and time and, with a boolean mask and grouped K/V,
+PyTorch falls back to its math kernel on CUDA. Here q/k/v are gathered into dense batches by the layout's
+index tensors (`rollwise.train.segments`) and each layer makes one or two fused SDPA calls:
 
-- the prompt attends to itself causally: one SDPA over `[P, P]`;
-- the G responses of a row are gathered into a batch `[G, Lr]` (Lr = longest response) whose keys are the
-  shared prompt's keys followed by the response's own: one SDPA over `[G, Lr, P + Lr]` with a causal mask
-  on the response part.
+- on CUDA (`PrefixLayout`): one `is_causal=True` call over segments `[prompt, response i]`: FlashAttention with
+  native grouped K/V, no mask tensor at all;
+- on CPU (`SplitLayout`): one causal call over the prompts and one over the responses' queries against their
+  prompt and themselves (a per-micro-batch mask); the scores computed drop about 2-3x against the prefix form,
+  and PyTorch's CPU flash kernel runs in fp32 (its bf16 backward is about twice as slow at these shapes).
 
-Cost per row: P^2 + G * Lr * (P + Lr) instead of (P + G * Lr)^2 (about 5x less for P = 40, G = 8,
-Lr = 40). Registered with transformers' `AttentionInterface` as `rollwise_shared`; the row layout is passed
-through the model's forward as the keyword `shared_layout`. Without it (any other call) the function is
-plain SDPA, so a model switched to it behaves as before everywhere else.
+Segment coordinates are position ids, so a sliding window is a mask over positions
+(`rollwise.models.attention.window`) and a soft cap goes through `attend`. Log-probs and gradients equal those of
+the plain per-sample forward, on every architecture (tests/test_architectures.py, fp32, 1e-5). Registered with
+transformers' `AttentionInterface` as `rollwise_shared`; the layout reaches it as the forward keyword
+`shared_layout`. Without it (any other call: generation, probes) the function is plain SDPA.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,45 +27,97 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rollwise.models.attention import attend, causal_attention, window
+from rollwise.train.segments import PrefixLayout, SegmentLayout, SplitLayout
 
 NAME = "rollwise_shared"
+FORCE_FORM: str | None = None  # "prefix" | "split": run that form on any device (tests check both on the CPU)
+__all__ = ["NAME", "SegmentLayout", "shared_attention"]
 
 
-@dataclass
-class RowLayout:
-    """One packed row: prompt length and, per response, (start, length) in the row.
+class _Gather(torch.autograd.Function):
+    """`x.index_select(0, index)` whose backward accumulates in fp32: x [L, ...], index [M] -> [M, ...].
 
-    `index` [G, Lr] gathers each response's positions (padded with its last position), `keep` [G, Lr] marks
-    real ones, `mask` [G, 1, Lr, P + Lr] bool is what each response query may see.
-    """
+    The backward is an index_add of the M rows into L (a prompt position occurs once per segment of its unit).
+    PyTorch's CPU index_add is an order of magnitude slower in bf16 than in fp32 at these shapes, and fp32 also
+    keeps the G-fold sum of a prompt's gradient from rounding in bf16."""
 
-    prompt_len: int
-    index: torch.Tensor
-    keep: torch.Tensor
-    mask: torch.Tensor
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
 
-    @classmethod
-    def build(cls, prompt_len: int, spans: list[tuple[int, int]]) -> "RowLayout":
-        """Built on the CPU (from Python lists); `to(device)` moves it with its micro-batch."""
-        cpu = torch.device("cpu")
-        longest = max(n for _, n in spans)
-        offsets = torch.arange(longest, device=cpu)
-        starts = torch.tensor([s for s, _ in spans], device=cpu)[:, None]
-        lengths = torch.tensor([n for _, n in spans], device=cpu)[:, None]
-        keep = offsets[None, :] < lengths  # [G, Lr]
-        index = starts + torch.minimum(offsets[None, :], (lengths - 1).clamp(min=0))  # [G, Lr]
-        own = torch.ones(longest, longest, dtype=torch.bool, device=cpu).tril()[None] & keep[:, None, :]  # [G, Lr, Lr]
-        prompt = torch.ones(len(spans), longest, prompt_len, dtype=torch.bool, device=cpu)
-        return cls(prompt_len, index, keep, torch.cat([prompt, own], dim=-1)[:, None])
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=torch.float32)
+        return out.index_add_(0, index, grad.float()).to(grad.dtype), None
 
-    def to(self, device: torch.device) -> "RowLayout":
-        return RowLayout(self.prompt_len, self.index.to(device), self.keep.to(device), self.mask.to(device))
+
+def _batch(x: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [1, heads, L, D] (the row) -> [B, heads, W, D] gathered by `index` [B, W], in `dtype`."""
+    heads, D = x.shape[1], x.shape[3]
+    B, W = index.shape
+    rows = x[0].transpose(0, 1)  # [L, heads, D]
+    return _Gather.apply(rows, index.reshape(-1)).view(B, W, heads, D).transpose(1, 2).to(dtype)
+
+
+def _flat(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, W, D] -> [B * W, H, D] in `dtype`."""
+    return out.to(dtype).transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
+
+
+def _sdpa(q, k, v, mask, scaling, softcap):
+    """Causal SDPA (mask None) or masked; soft-capped through `attend`. q [B, H, Lq, D], k/v [B, KV, Lk, D]."""
+    if softcap is None and mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return attend(q, k, v, mask, scaling, softcap)
+
+
+def _prefix(query, key, value, layout: PrefixLayout, scaling, sliding_window, softcap, dtype):
+    q, k, v = (_batch(t, layout.gather, dtype) for t in (query, key, value))  # [N, H | KV, W, D]
+    mask = None
+    if sliding_window is not None:
+        pos = torch.arange(q.shape[2], device=q.device)
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = mask & window(pos, pos, sliding_window)
+    out = _sdpa(q, k, v, mask, scaling, softcap)  # [N, H, W, D]
+    return _Gather.apply(_flat(out, query.dtype), layout.scatter)
+
+
+def _split(query, key, value, layout: SplitLayout, scaling, sliding_window, softcap, dtype):
+    pq, pk, pv = (_batch(t, layout.prompts, dtype) for t in (query, key, value))  # [U, H | KV, P_max, D]
+    prompt_mask = None
+    if sliding_window is not None:
+        pos = torch.arange(pq.shape[2], device=pq.device)
+        prompt_mask = torch.ones(pq.shape[2], pq.shape[2], dtype=torch.bool, device=pq.device).tril()
+        prompt_mask = prompt_mask & window(pos, pos, sliding_window)
+    parts = [_flat(_sdpa(pq, pk, pv, prompt_mask, scaling, softcap), query.dtype)]
+    if layout.queries.shape[0]:
+        q = _batch(query, layout.queries, dtype)  # [N, H, L_r, D]
+        k, v = (_batch(t, layout.keys, dtype) for t in (key, value))  # [N, KV, P_max + L_r, D]
+        mask = layout.mask  # [N, 1, L_r, P_max + L_r]
+        if sliding_window is not None:
+            mask = mask & window(layout.query_pos, layout.key_pos, sliding_window)[:, None]
+        parts.append(_flat(attend(q, k, v, mask, scaling, softcap), query.dtype))
+    return _Gather.apply(torch.cat(parts), layout.scatter)
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The activations' own dtype, except bf16/fp16 on a CPU: PyTorch's CPU flash-attention backward is about
+    twice as slow in bf16 as in fp32 at these shapes (BENCHMARKS.md)."""
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return query.dtype
 
 
 def shared_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     shared_layout: list[RowLayout] | None = None, sliding_window: int | None = None,
+                     shared_layout: SegmentLayout | None = None, sliding_window: int | None = None,
                      softcap: float | None = None, **kwargs):
-    """query [R, H, L, D], key/value [R, KV, L, D] -> ([R, L, H, D], None), as HF attention functions return.
+    """query [1, H, L, D], key/value [1, KV, L, D] -> ([1, L, H, D], None), as HF attention functions return.
     A layer's `sliding_window` and `softcap` (Gemma 2/3, Mistral) apply as `rollwise.models.attention` says."""
     if shared_layout is None:
         if sliding_window is None and softcap is None:
@@ -70,58 +125,16 @@ def shared_attention(module, query, key, value, attention_mask, dropout: float =
                                           scaling=scaling, **kwargs)
         return causal_attention(query, key, value, attention_mask, scaling, kwargs.get("position_ids"),
                                 sliding_window, softcap), None
-    if sliding_window is not None or softcap is not None:
-        return _windowed_shared(query, key, value, scaling, shared_layout, sliding_window, softcap), None
-    gqa = query.shape[1] != key.shape[1]
-    heads, width, head_dim = query.shape[1:]
-    rows_out = []
-    for r, row in enumerate(shared_layout):
-        P = row.prompt_len
-        q, k, v = query[r], key[r], value[r]  # [H | KV, L, D]
-        prompt_out = F.scaled_dot_product_attention(q[None, :, :P], k[None, :, :P], v[None, :, :P], is_causal=True,
-                                                    scale=scaling, enable_gqa=gqa)[0]  # [H, P, D]
-        G, Lr = row.index.shape
-        flat = row.index.reshape(-1)
-        rq = q[:, flat].view(q.shape[0], G, Lr, -1).transpose(0, 1)  # [G, H, Lr, D]
-        rk = k[:, flat].view(k.shape[0], G, Lr, -1).transpose(0, 1)  # [G, KV, Lr, D]
-        rv = v[:, flat].view(v.shape[0], G, Lr, -1).transpose(0, 1)
-        keys = torch.cat([k[None, :, :P].expand(G, -1, -1, -1), rk], dim=2)  # [G, KV, P + Lr, D]
-        values = torch.cat([v[None, :, :P].expand(G, -1, -1, -1), rv], dim=2)
-        resp_out = F.scaled_dot_product_attention(rq, keys, values, attn_mask=row.mask, scale=scaling,
-                                                  enable_gqa=gqa)  # [G, H, Lr, D]
-        keep = row.keep.reshape(-1)
-        resp = resp_out.transpose(0, 1).reshape(heads, G * Lr, head_dim)[:, keep]  # [H, n, D]
-        # padding positions stay 0: nothing reads them
-        row_out = torch.cat([prompt_out, prompt_out.new_zeros(heads, width - P, head_dim)], dim=1)
-        rows_out.append(row_out.index_copy(1, flat[keep], resp))
-    return torch.stack(rows_out).transpose(1, 2).contiguous(), None
-
-
-def _windowed_shared(query, key, value, scaling, shared_layout, sliding_window, softcap):
-    """`shared_attention`'s blocks with a sliding window and/or soft cap (positions: prompt 0..P-1, each
-    response P, P + 1, ...) -> [R, L, H, D]."""
-    heads, width, head_dim = query.shape[1:]
-    rows_out = []
-    for r, row in enumerate(shared_layout):
-        P, (G, Lr) = row.prompt_len, row.index.shape
-        q, k, v = query[r], key[r], value[r]  # [H | KV, L, D]
-        pos = torch.arange(P + Lr, device=query.device)
-        own = torch.ones((P, P), dtype=torch.bool, device=query.device).tril()
-        mask = row.mask
-        if sliding_window is not None:
-            own = own & window(pos[:P], pos[:P], sliding_window)
-            mask = mask & window(pos[P:], pos, sliding_window)
-        prompt_out = attend(q[None, :, :P], k[None, :, :P], v[None, :, :P], own, scaling, softcap)[0]  # [H, P, D]
-        flat = row.index.reshape(-1)
-        rq, rk, rv = (t[:, flat].view(t.shape[0], G, Lr, -1).transpose(0, 1) for t in (q, k, v))  # [G, H|KV, Lr, D]
-        keys = torch.cat([k[None, :, :P].expand(G, -1, -1, -1), rk], dim=2)  # [G, KV, P + Lr, D]
-        values = torch.cat([v[None, :, :P].expand(G, -1, -1, -1), rv], dim=2)
-        resp_out = attend(rq, keys, values, mask, scaling, softcap)  # [G, H, Lr, D]
-        keep = row.keep.reshape(-1)
-        resp = resp_out.transpose(0, 1).reshape(heads, G * Lr, head_dim)[:, keep]  # [H, n, D]
-        row_out = torch.cat([prompt_out, prompt_out.new_zeros(heads, width - P, head_dim)], dim=1)
-        rows_out.append(row_out.index_copy(1, flat[keep], resp))
-    return torch.stack(rows_out).transpose(1, 2).contiguous()
+    if query.shape[0] != 1:
+        raise RuntimeError(f"packed attention expects one row, got {query.shape[0]}")
+    form = FORCE_FORM or ("prefix" if query.device.type == "cuda" else "split")
+    dtype = _compute_dtype(query)
+    with torch.autocast(query.device.type, enabled=False):
+        if form == "prefix":
+            out = _prefix(query, key, value, shared_layout.prefix, scaling, sliding_window, softcap, dtype)
+        else:
+            out = _split(query, key, value, shared_layout.split, scaling, sliding_window, softcap, dtype)
+    return out.view(1, query.shape[2], query.shape[1], query.shape[3]), None
 
 
 AttentionInterface.register(NAME, shared_attention)

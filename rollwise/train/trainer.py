@@ -20,6 +20,8 @@ from rollwise.errors import UserError
 from rollwise import algo
 from rollwise.config import AlgoConfig, TrainConfig
 from rollwise.hardware import bf16_is_native
+from rollwise.train.accumulator import Accumulator as _Accumulator
+from rollwise.train.activation_checkpointing import configure_checkpointing
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
 from rollwise.train.critic import ValueHead
 from rollwise.train.logprobs import response_hidden, token_logprobs
@@ -99,6 +101,7 @@ class Trainer:
         self.value_head = ValueHead(model.config.hidden_size).to(self.device) \
             if algo.is_token_advantage(algo_cfg.advantage) else None
         self.trainable = freeze_for_trainer(self, model, train_cfg.trainable)  # a layer subset: the rest frozen
+        self.gradient_checkpointing = configure_checkpointing(self)  # train.gradient_checkpointing, resolved
         params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if self.value_head is not None:  # a fresh layer: its own, larger learning rate
             params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})
@@ -118,9 +121,13 @@ class Trainer:
         return nullcontext()
 
     def _micro_batches(self, samples: list[Sample], version: int | None = None) -> list[MicroBatch]:
+        return [mb.to(self.device) for mb in self._collated(samples, version)]
+
+    def _collated(self, samples: list[Sample], version: int | None = None) -> list[MicroBatch]:
+        """The micro-batches of `samples`, still on the CPU (where collate builds them)."""
         share = self.cfg.share_prompt
         groups = split_by_tokens(samples, self.cfg.micro_batch_tokens, share_prompt=share)
-        return [collate(g, self.pad_id, share_prompt=share, version=version).to(self.device) for g in groups]
+        return [collate(g, self.pad_id, share_prompt=share, version=version) for g in groups]
 
     @torch.no_grad()
     def _frozen_logprobs(self, model, mbs: list[MicroBatch]) -> list[torch.Tensor]:
@@ -164,8 +171,9 @@ class Trainer:
         minibatches = _split(samples, self.cfg.minibatches_per_epoch)
         single_update = self.cfg.ppo_epochs == 1 and len(minibatches) == 1
         from_engine = self.cfg.old_logprobs == "behaviour"
-        plans = [self._micro_batches(mb, version) for mb in minibatches]
-        batch_norms = [algo.batch_normalisers([mb.loss_mask for mb in plan]) for plan in plans]  # whole minibatch
+        collated = [self._collated(mb, version) for mb in minibatches]  # on the CPU
+        batch_norms = [algo.batch_normalisers([mb.loss_mask for mb in plan]) for plan in collated]  # no device sync
+        plans = [[mb.to(self.device) for mb in plan] for plan in collated]
         shares = [self._share(plan) for plan in plans]  # [(j, micro-batch)] this process runs
         mine = [[mb for _, mb in share] for share in shares]
         old = None if from_engine or single_update else [self._frozen_logprobs(self.model, p) for p in mine]
@@ -212,8 +220,10 @@ class Trainer:
         """Clip and apply the accumulated gradients; False (nothing applied) when the loss or gradient norm
         of this minibatch is NaN/Inf: weights and optimizer state stay as they were."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
-        return self._apply_if_finite(acc, grad_norm, self._nonfinite_loss)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        flag = torch.as_tensor(self._nonfinite_loss, dtype=torch.float32, device=norm.device)
+        grad_norm, nonfinite = torch.stack([norm.float(), flag]).tolist()  # the optimizer step's one read-back
+        return self._apply_if_finite(acc, grad_norm, bool(nonfinite))
 
     def _apply_if_finite(self, acc: "_Accumulator", grad_norm: float, nonfinite_loss: bool) -> bool:
         """Record the (clipped) gradient norm; step the optimizer unless it or a micro-batch loss was NaN/Inf;
@@ -345,17 +355,18 @@ class Trainer:
             per_token, value_metrics = algo.value_loss(self.value_head(hidden[0], mb), old_values, returns, mask,
                                                        clip=self.algo.value_clip)
             loss = loss + self.algo.vf_coef * self.objective.aggregate(per_token, mask, norms)
-            metrics.update({f"value/{k}": float(v) for k, v in value_metrics.items()})
+            metrics.update({f"value/{k}": _detached(v) for k, v in value_metrics.items()})
         if stand_in:
             (loss * 0.0).backward()
             return
         loss.backward()
-        self._nonfinite_loss |= not bool(torch.isfinite(loss.detach()))
-        w = float(mask.sum())
-        acc.add("train/loss", float(loss.detach()) * norms["num_tokens"] / max(w, 1), w)
-        acc.add("train/entropy", float((entropy.detach() * mask).sum()) / max(w, 1), w)
+        self._nonfinite_loss = torch.logical_or(torch.as_tensor(self._nonfinite_loss, device=loss.device),
+                                                ~torch.isfinite(loss.detach()))  # read back at the optimizer step
+        w = mask.sum()  # metrics stay on the device until the step's end (`_Accumulator.means`)
+        acc.add_total("train/loss", loss.detach() * norms["num_tokens"], w)
+        acc.add_total("train/entropy", (entropy.detach() * mask).sum(), w)
         for key, value in metrics.items():
-            acc.add(key, value, w)
+            acc.add_total(key, value * w, w)
         if measure:  # engine vs trainer on the same tokens, before any update of this step
             self._mismatch(logp.detach() if pre_update_logp is None else pre_update_logp, mb, acc)
 
@@ -375,19 +386,15 @@ class Trainer:
         mask = mb.loss_mask  # [B, T]
         current = mask * mb.current  # [B, T]
         stale = mask - current  # [B, T]
-        w, w_current, w_stale = float(mask.sum()), float(current.sum()), float(stale.sum())
+        w, w_current, w_stale = mask.sum(), current.sum(), stale.sum()  # on the device: no read-back here
         diff = (trainer_logp - mb.full_logp).abs()  # [B, T]
-        if w_current > 0:
-            k3 = algo.kl("k3", mb.full_logp, trainer_logp) * current  # [B, T]
-            acc.add("mismatch/logprob_abs_diff_mean", float((diff * current).sum()) / w_current, w_current)
-            acc.add("mismatch/k3", float(k3.sum()) / w_current, w_current)
-            acc.add("mismatch/logprob_abs_diff_max", float(torch.where(current > 0, diff, 0.0).max()), 0.0)
-        if w_stale > 0:
-            acc.add("mismatch/stale_logprob_abs_diff_mean", float((diff * stale).sum()) / w_stale, w_stale)
-        if w > 0:
-            gap = (mb.behaviour_logp - mb.full_logp) * mask  # [B, T]
-            acc.add("mismatch/stale_token_frac", w_stale / w, w)
-            acc.add("mismatch/truncation_logprob_gap_mean", float(gap.sum()) / w, w)
+        k3 = algo.kl("k3", mb.full_logp, trainer_logp) * current  # [B, T]
+        acc.add_total("mismatch/logprob_abs_diff_mean", (diff * current).sum(), w_current)
+        acc.add_total("mismatch/k3", k3.sum(), w_current)
+        acc.keep_max("mismatch/logprob_abs_diff_max", torch.where(current > 0, diff, -math.inf).max())
+        acc.add_total("mismatch/stale_logprob_abs_diff_mean", (diff * stale).sum(), w_stale)
+        acc.add_total("mismatch/stale_token_frac", w_stale, w)
+        acc.add_total("mismatch/truncation_logprob_gap_mean", ((mb.behaviour_logp - mb.full_logp) * mask).sum(), w)
 
 
 class NonFiniteError(UserError, RuntimeError):
@@ -395,7 +402,13 @@ class NonFiniteError(UserError, RuntimeError):
 
 
 def check_finite_weights(model, where: str) -> None:
-    """Raise NonFiniteError naming the first parameter that holds a NaN or Inf."""
+    """Raise NonFiniteError naming the first parameter that holds a NaN or Inf.
+
+    One fused check and one read-back (the norms of all parameters: a NaN/Inf anywhere makes its norm
+    non-finite); only when it fails are the parameters scanned one by one for the name."""
+    params = [p.detach() for p in model.parameters()]
+    if not params or bool(torch.isfinite(torch.stack(torch._foreach_norm(params))).all()):
+        return
     for name, param in model.named_parameters():
         if not bool(torch.isfinite(param).all()):
             raise NonFiniteError(f"parameter {name} holds NaN/Inf {where}; lower train.lr or check the loss")
@@ -416,32 +429,12 @@ def _store_linears_in(model, dtype: torch.dtype) -> None:
                     module.bias.data = module.bias.data.to(dtype)
 
 
+def _detached(value):
+    """A metric as it is accumulated: a tensor stays on its device (read back once per step)."""
+    return value.detach() if isinstance(value, torch.Tensor) else float(value)
+
+
 def _split(samples: list[Sample], parts: int) -> list[list[Sample]]:
     parts = max(1, min(parts, len(samples)))
     size = math.ceil(len(samples) / parts)
     return [samples[i : i + size] for i in range(0, len(samples), size)]
-
-
-class _Accumulator:
-    """Weighted means of metrics across micro-batches (weight 0 keeps the maximum instead)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-
-    def add(self, key: str, value: float, weight: float) -> None:
-        if weight == 0.0:
-            self.keep_max(key, value)
-            return
-        self.sums[key] = self.sums.get(key, 0.0) + value * weight
-        self.weights[key] = self.weights.get(key, 0.0) + weight
-
-    def keep_max(self, key: str, value: float) -> None:
-        """The largest value seen under `key` (weight 0); a NaN stays NaN (Python's `max` would drop it when it
-        does not come first)."""
-        old = self.sums.get(key, -math.inf)
-        self.sums[key] = math.nan if math.isnan(old) or math.isnan(value) else max(old, value)
-        self.weights[key] = 0.0
-
-    def means(self) -> dict[str, float]:
-        return {k: (v / self.weights[k] if self.weights[k] else v) for k, v in self.sums.items()}
