@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rollwise.perf import cpu_model_name  # noqa: E402
 from rollwise.train.logprobs import CHUNK_TOKENS, _HeadLogprob, row_chunks  # noqa: E402
 
 
@@ -88,14 +88,6 @@ def new_head(h, weight, targets, with_entropy=True, softcap=None):
     return _HeadLogprob.apply(h, weight, targets, with_entropy, softcap, CHUNK_TOKENS)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def one_call(fn, h, weight, targets, adv, case: str, dtype: torch.dtype) -> float:
@@ -119,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--cases", nargs="+", default=["metric"], choices=["metric", "entropy_grad", "frozen"])
     args = parser.parse_args(argv)
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+    print(f"CPU: {cpu_model_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"[{args.tokens} tokens, H={args.hidden}, V={args.vocab}], chunks of {CHUNK_TOKENS}", flush=True)
     gen = torch.Generator().manual_seed(0)
     results = []

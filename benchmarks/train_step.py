@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -110,7 +109,7 @@ def run_here(args) -> dict:
             "tokens_per_s": real / median, "model_gflop": flops / 1e9, "gflops": flops / median / 1e9,
             "peak_gflops": peak, "mfu_measured": flops / median / 1e9 / peak if peak else None,
             "dtype": str(dtype).replace("torch.", ""), "padding_eff": metrics.get("perf/train_padding_eff"),
-            "cpu": cpu_name(), "torch": torch.__version__}
+            "cpu": _cpu(), "torch": torch.__version__}
 
 
 def profile(trainer, samples) -> None:
@@ -121,14 +120,16 @@ def profile(trainer, samples) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
 
 
-def cpu_name() -> str:
+
+
+def _cpu() -> str:
+    """The CPU's model name (rollwise.perf's, or the older tree's /proc/cpuinfo line when it has none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        from rollwise.perf import cpu_model_name
+    except ImportError:  # a tree from before the function (side-by-side runs import the other tree)
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), "unknown CPU")
+    return cpu_model_name()
 
 
 def side_by_side(args) -> dict:

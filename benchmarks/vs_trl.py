@@ -106,7 +106,7 @@ class WarningLog:
 
 
 def rollwise_config(args: argparse.Namespace, precision: str, model_dir: Path, total_steps: int):
-    
+    from rollwise.validate import load
 
     dtype, train_precision = ("bfloat16", "bf16") if precision == "bf16" else ("float32", "fp32")
     return load(None, [
@@ -393,14 +393,6 @@ def versions() -> dict:
     return out
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def print_table(results: list[dict]) -> None:
@@ -457,12 +449,14 @@ def run_parent(args: argparse.Namespace) -> None:
 
 
 def write_report(out: Path, args: argparse.Namespace, results: list[dict], started: float) -> None:
+    from rollwise.perf import cpu_model_name
+
     report = {
         "benchmark": "vs_trl",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_s": time.time() - started,
-        "machine": {"cpu": cpu_name(), "threads": args.threads},
+        "machine": {"cpu": cpu_model_name(), "threads": args.threads},
         "versions": versions(),
         "setup": {
             "model": MODEL,

@@ -56,6 +56,11 @@ def _cpu_name(cpuinfo: str) -> str:
     return match.group(1).strip() if match else platform.processor() or platform.machine()
 
 
+def cpu_model_name() -> str:
+    """This machine's CPU model (/proc/cpuinfo's `model name`), for naming the CPU next to a figure."""
+    return _cpu_name(_cpuinfo())
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -77,24 +77,23 @@ def _sdpa(q, k, v, mask, scaling, softcap):
     return attend(q, k, v, mask, scaling, softcap)
 
 
+def _windowed(length: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[W, W] bool, causal inside a sliding window over positions 0..W-1; None (plain causal) without one."""
+    if sliding_window is None:
+        return None
+    pos = torch.arange(length, device=device)
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril() & window(pos, pos, sliding_window)
+
+
 def _prefix(query, key, value, layout: PrefixLayout, scaling, sliding_window, softcap, dtype):
     q, k, v = (_batch(t, layout.gather, dtype) for t in (query, key, value))  # [N, H | KV, W, D]
-    mask = None
-    if sliding_window is not None:
-        pos = torch.arange(q.shape[2], device=q.device)
-        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
-        mask = mask & window(pos, pos, sliding_window)
-    out = _sdpa(q, k, v, mask, scaling, softcap)  # [N, H, W, D]
+    out = _sdpa(q, k, v, _windowed(q.shape[2], sliding_window, q.device), scaling, softcap)  # [N, H, W, D]
     return _Gather.apply(_flat(out, query.dtype), layout.scatter)
 
 
 def _split(query, key, value, layout: SplitLayout, scaling, sliding_window, softcap, dtype):
     pq, pk, pv = (_batch(t, layout.prompts, dtype) for t in (query, key, value))  # [U, H | KV, P_max, D]
-    prompt_mask = None
-    if sliding_window is not None:
-        pos = torch.arange(pq.shape[2], device=pq.device)
-        prompt_mask = torch.ones(pq.shape[2], pq.shape[2], dtype=torch.bool, device=pq.device).tril()
-        prompt_mask = prompt_mask & window(pos, pos, sliding_window)
+    prompt_mask = _windowed(pq.shape[2], sliding_window, pq.device)
     parts = [_flat(_sdpa(pq, pk, pv, prompt_mask, scaling, softcap), query.dtype)]
     if layout.queries.shape[0]:
         q = _batch(query, layout.queries, dtype)  # [N, H, L_r, D]
