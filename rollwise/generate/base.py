@@ -35,6 +35,9 @@ class EngineCaps:
         uploaded weights are checked against its parameters).
     tensors: `update_weights` is its cheap path (an in-process copy, or Ray's object store): the `tensors`
         transport, and what `auto` picks.
+    sleep_mode: `release_memory()` lets go of the engine's accelerator memory while the trainer trains (vLLM's
+        sleep mode, when the engine shares the trainer's GPU) and `resume_memory(tags)` takes it back; both are
+        no-ops on an engine started without it. The Sync stage calls them (`WeightSync.release_memory`).
     request_feed: `generate(requests, on_finish, feed=...)` also runs the requests a `rollwise.generate.feed.Feed`
         hands it while the call runs, in free slots of the running batch (continuous batching across the turns
         of multi-turn episodes); results of fed requests reach `on_finish` only. Engines without it run
@@ -48,6 +51,7 @@ class EngineCaps:
     rng_state: bool = False
     local_model: bool = False
     tensors: bool = False
+    sleep_mode: bool = False
     request_feed: bool = False
 
 
@@ -57,6 +61,7 @@ CAP_METHODS: dict[str, tuple[str, ...]] = {
     "adapters": ("update_adapter",),
     "reload_from": ("reload_from",),
     "rng_state": ("rng_state", "set_rng_state"),
+    "sleep_mode": ("release_memory", "resume_memory"),
 }
 
 
@@ -115,4 +120,12 @@ class Engine(Protocol):
 
     def set_rng_state(self, state: Any) -> None:
         """Only when caps.rng_state: restore a state `rng_state()` returned."""
+        ...
+
+    def release_memory(self) -> None:
+        """Only when caps.sleep_mode: free the engine's accelerator memory until it is needed again."""
+        ...
+
+    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Only when caps.sleep_mode: take back what `release_memory` freed ('weights', 'kv_cache')."""
         ...

@@ -79,16 +79,22 @@ COLOCATED_GPU_SHARE = 0.35  # of the GPU's memory for a vLLM engine that shares 
 
 
 def engine_options(cfg: Config, trainer: bool = True) -> dict:
-    """`rollout.engine_options`, plus what the run needs of vLLM: LoRA adapters served at `lora.rank`, and, when
-    an in-process vLLM shares its GPU with the trainer (`train.device` on CUDA, no `cluster.ray`), at most
-    `COLOCATED_GPU_SHARE` of the GPU's memory unless `gpu_memory_utilization` is given (vLLM's default, 0.9, would
-    leave the trainer too little). `trainer` False: no trainer beside the engine (`rollwise eval`, `serve`)."""
+    """`rollout.engine_options`, plus what the run needs of vLLM: LoRA adapters served at `lora.rank`, and, for a
+    vLLM engine built beside the trainer (no server, no `cluster.ray`): its engine core in this process
+    (`in_process`: weights sync from tensors, no folder) unless the trainer is FSDP2 (its ranks need this
+    process's torch.distributed group); on a CUDA `train.device`, at most `COLOCATED_GPU_SHARE` of the GPU's
+    memory unless `gpu_memory_utilization` is given (vLLM's default, 0.9, would leave the trainer too little) and
+    vLLM's sleep mode (`enable_sleep_mode`: the engine frees its memory during the Train stage). Each is kept
+    when `rollout.engine_options` sets it. `trainer` False: no trainer beside the engine (`rollwise eval`, `serve`)."""
     from rollwise.hardware import resolve_device
 
     options = dict(cfg.rollout.engine_options)
     colocated = trainer and cfg.rollout.engine == "vllm" and cfg.rollout.server is None and not cfg.cluster.ray
+    if colocated:
+        options.setdefault("in_process", cfg.train.backend == "local")
     if colocated and resolve_device(cfg.train.device).type == "cuda":
         options.setdefault("gpu_memory_utilization", COLOCATED_GPU_SHARE)
+        options.setdefault("enable_sleep_mode", True)
     if cfg.rollout.engine == "vllm" and cfg.lora.rank > 0:
         options.setdefault("enable_lora", True)
         # vLLM 0.32 takes max_lora_rank from a fixed set: the smallest that holds lora.rank

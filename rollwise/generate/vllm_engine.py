@@ -1,4 +1,4 @@
-"""The vLLM rollout engine, in-process (`vllm.LLM`), behind rollwise's engine protocol.
+"""The vLLM rollout engine (`vllm.LLM` built in this process) behind rollwise's engine protocol.
 
 - Token ids in and out: prompts go in as `TokensPrompt` (never re-tokenised text), responses come back as
   the sampled ids; `text` is decoded by rollwise's tokenizer, as the torch engine does.
@@ -11,18 +11,29 @@
 - The decode loop is driven here (`llm_engine.add_request` / `step` / `abort_request`, outputs as deltas), so
   `on_finish` can abort the other requests between steps (partial rollouts); aborted results keep their
   tokens and are continued by a request whose `response_ids` holds them.
-- Weights: `update_weights(state_dict, version)` writes a safetensors folder and reloads it through the
-  worker extension (`rollwise.generate.vllm_ext`), re-packing a tied head and resetting the prefix cache;
-  a reload that fails half-way leaves `version = None` and `generate` refuses until a sync succeeds.
+- Where the engine core runs: in a child process (vLLM's default), or with `options["in_process"]` in this
+  one (`rollwise.generate.vllm_inprocess`: the trade-off is written there). A training run's engine starts
+  in process (`rollwise.generate.factory.engine_options`), unless the trainer is FSDP2.
+- Weights: `update_weights(state_dict, version)` hands an engine core running here the tensors (the model's
+  `load_weights` through vLLM's in-place reload, cast to the engine's dtype, no file: the `tensors` transport),
+  and one in a child a safetensors folder it reloads (`reload_from`, the `safetensors` transport). Both go
+  through the worker extension (`rollwise.generate.vllm_ext`), which re-packs a tied head; the prefix cache is
+  reset after. A partial state dict is refused before anything loads; a load that fails half-way leaves
+  `version = None` and `generate` refuses until a sync succeeds.
   LoRA: `update_adapter(dir, version)` makes later calls use `LoRARequest(f"v{version}", new id, dir)`.
+- Memory: on CUDA the KV cache is sized by `gpu_memory_utilization` (a colocated engine gets
+  `COLOCATED_GPU_SHARE` of the GPU from the factory); with `enable_sleep_mode` (the factory's default for an
+  engine sharing the trainer's GPU) `release_memory()` puts vLLM to sleep (level 1) for the Train stage, and
+  the next sync or generation wakes what it needs. Neither has run on a GPU yet (docs/gpu.md).
 
 vLLM on CPU: pass a small KV cache (the default here is 256 MiB, `options["kv_cache_memory_bytes"]`
-overrides) and set `OMP_NUM_THREADS` (the engine core is a spawned process that reads it; this module sets
-it to torch's thread count when unset). Scripts that build an engine need `if __name__ == "__main__":`.
+overrides) and set `OMP_NUM_THREADS` (a spawned engine core reads it; this module sets it to torch's thread
+count when unset). Scripts that build an engine need `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import os
@@ -34,13 +45,12 @@ from pathlib import Path
 
 import torch
 
+from rollwise.generate import vllm_inprocess
 from rollwise.generate.base import EngineCaps
 from rollwise.generate.torch_engine import EngineStats, _cut_at_stop, _eos_ids
+from rollwise.generate.vllm_options import DTYPE_NAMES as _DTYPES, llm_kwargs
 from rollwise.types import GenerationRequest, GenerationResult, SamplingParams, Status
 
-EXTENSION = "rollwise.generate.vllm_ext.RollwiseWorkerExtension"
-DEFAULT_KV_CACHE_BYTES = 256 * 2**20
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 # per-request seeds of requests sharing one seeded params value: seed + k * this (see `_request_seed`)
 _SEED_STRIDE = 1_000_003
@@ -72,7 +82,7 @@ def cpu_small_machine_env(env) -> None:
 
 
 class VLLMEngine:
-    """Engine protocol implementation on an in-process `vllm.LLM`.
+    """Engine protocol implementation on a `vllm.LLM` of this process (its engine core here or in a child).
 
     Args:
         model_dir: a local HF model folder (safetensors weights, config, tokenizer).
@@ -81,15 +91,21 @@ class VLLMEngine:
         max_batch_size: `max_num_seqs`, sequences decoded together.
         seed: vLLM's seed (the stream of unseeded requests).
         max_model_len: longest prompt + response in tokens.
-        options: extra `vllm.LLM` keyword arguments; rollwise keys among them: `kv_cache_memory_bytes`
-            (default 256 MiB), `enforce_eager` (default False: compiled), `enable_lora` and `max_lora_rank`
-            (LoRA adapters), `weight_transfer_backend` (CUDA: 'ipc' default, or 'nccl').
-        sync_dir: where `update_weights` writes its safetensors folders (default: a temporary folder).
+        options: extra `vllm.LLM` keyword arguments; rollwise keys among them: `in_process` (default False; True:
+            the engine core runs in this process and weights sync from tensors; `rollwise.generate.factory` sets
+            it for a training run's engine), `kv_cache_memory_bytes` (CPU default 256 MiB; unset on CUDA, where
+            `gpu_memory_utilization` sizes the cache), `enable_sleep_mode` (CUDA: `release_memory` and
+            `resume_memory` act), `enforce_eager` (default False: compiled), `enable_lora` and `max_lora_rank`
+            (LoRA adapters), `weight_transfer_backend` (CUDA, engine core in a child: 'ipc' default, or 'nccl').
+        sync_dir: where `update_weights` writes its safetensors folders (default: a temporary folder); unused
+            while the engine core runs in this process.
 
     `caps.adapters`: `update_adapter` needs the engine started with LoRA (`enable_lora`); it refuses otherwise.
+    `caps.tensors` holds on an instance whose engine core runs in this process only.
     """
 
-    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, adapters=True, reload_from=True)
+    caps = EngineCaps(probe_logprobs=True, continue_aborted=True, adapters=True, reload_from=True, tensors=True,
+                      sleep_mode=True)
 
     def __init__(self, model_dir, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
                  seed: int = 0, max_model_len: int = 2048, options: dict | None = None,
@@ -115,30 +131,33 @@ class VLLMEngine:
         self._lora = None
         self._lora_ids = itertools.count(1)
         self._closed = False
+        self._sleeping: set[str] = set()  # sleep-mode tags released and not taken back yet
+        self._checkpoint: tuple[set[str], bool] | None = None  # (tensor names, tied head) of model_dir
         config = _read_config(self.model_dir)
         self.vocab_size = int(config.get("vocab_size") or len(tokenizer))
         self.eos_ids = _eos_ids(_ConfigView(self.model_dir, config), tokenizer)
-        kwargs = self._llm_kwargs(dtype, max_batch_size, seed, max_model_len, dict(options or {}))
-        self.llm = vllm.LLM(**kwargs)
-        self.device = torch.device("cuda") if torch.cuda.is_available() and _on_cuda() else torch.device("cpu")
-
-    def _llm_kwargs(self, dtype, max_batch_size, seed, max_model_len, options: dict) -> dict:
-        kwargs = dict(model=str(self.model_dir), tokenizer=str(self.model_dir), dtype=_DTYPES[dtype], seed=seed,
-                      max_num_seqs=max_batch_size, max_model_len=max_model_len,
-                      kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES, enforce_eager=False,
-                      logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION)
-        self.weight_transfer_backend = None
-        backend = options.pop("weight_transfer_backend", "ipc")
-        if torch.cuda.is_available() and _on_cuda() and "weight_transfer_config" not in options:
-            from vllm.config import WeightTransferConfig
-
-            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=backend)
-            self.weight_transfer_backend = backend
-        if options.get("max_lora_rank") is not None:
-            options.setdefault("enable_lora", True)
-        kwargs.update(options)
+        options = dict(options or {})
+        in_process = bool(options.pop("in_process", False))
+        if in_process and not vllm_inprocess.can_start():
+            print("rollwise: a vLLM engine already runs in this process; this one starts its engine core in a "
+                  "process of its own (weights sync through safetensors folders)", flush=True)
+            in_process = False
+        cuda = torch.cuda.is_available() and _on_cuda()
+        kwargs, self.weight_transfer_backend = llm_kwargs(self.model_dir, dtype, max_batch_size, seed,
+                                                          max_model_len, options, cuda=cuda, in_process=in_process)
         self.lora_enabled = bool(kwargs.get("enable_lora"))
-        return kwargs
+        self.sleep_mode = cuda and bool(kwargs.get("enable_sleep_mode"))
+        if in_process:
+            with vllm_inprocess.start():
+                self.llm = vllm.LLM(**kwargs)
+        else:
+            self.llm = vllm.LLM(**kwargs)
+        self.in_process = vllm_inprocess.runs_here(self.llm)
+        if self.in_process:
+            vllm_inprocess.register(self)
+        else:  # weights reach a child process through folders: `tensors` is not this instance's cheap path
+            self.caps = dataclasses.replace(type(self).caps, tensors=False)
+        self.device = torch.device("cuda") if cuda else torch.device("cpu")
 
     @classmethod
     def from_model(cls, model, tokenizer, folder: str | Path, **kwargs) -> "VLLMEngine":
@@ -170,12 +189,32 @@ class VLLMEngine:
         return [results[r.request_id] for r in requests]
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Write `state_dict` (HF names, the whole model) as a safetensors folder and reload it as `version`."""
-        from rollwise.models.weights_folder import delete_older_versions, write_version_dir
+        """Load `state_dict` (HF names, the whole model) and adopt `version`: handed to the model's `load_weights`
+        in the engine's dtype when the engine core runs in this process (`rollwise.generate.vllm_inprocess`),
+        else written as a safetensors folder that the worker reloads. A partial state dict is refused first
+        (ValueError, nothing loaded); a load that fails after it began leaves `version = None`."""
+        from rollwise.models.weights_folder import (
+            checkpoint_names,
+            delete_older_versions,
+            tied_embeddings,
+            whole_state,
+            write_version_dir,
+        )
 
-        folder, _ = write_version_dir(state_dict, version, self._sync_folder(), self.model_dir, dtype=self.dtype)
-        self.reload_from(folder, version)
-        delete_older_versions(folder.parent, keep=folder)
+        self._check_open()
+        if self._checkpoint is None:
+            self._checkpoint = checkpoint_names(self.model_dir), tied_embeddings(self.model_dir)
+        expected, tied = self._checkpoint
+        if not self.in_process:
+            folder, _ = write_version_dir(state_dict, version, self._sync_folder(), self.model_dir,
+                                          expected=expected, tied=tied, dtype=self.dtype)
+            self.reload_from(folder, version)
+            delete_older_versions(folder.parent, keep=folder)
+            return
+        state = whole_state(state_dict, expected, tied)
+        self.resume_memory(("weights",))
+        self._adopt(version, f"sync of version {version} from tensors",
+                    lambda: vllm_inprocess.load_tensors(self.llm, state, self.dtype, version))
 
     def reload_from(self, path: str | Path, version: int) -> None:
         """Reload every weight from the safetensors folder `path` and adopt `version`.
@@ -183,20 +222,45 @@ class VLLMEngine:
         On any failure the weights are in an unknown state: `version` becomes None and `generate` refuses.
         """
         self._check_open()
+        self.resume_memory(("weights",))
+        self._adopt(version, f"reload of version {version} from {path}",
+                    lambda: self.llm.collective_rpc("rollwise_reload", args=(str(path), int(version))))
+
+    def _adopt(self, version: int, what: str, load) -> None:
+        """`load()` every weight, reset the prefix cache, then adopt `version`; None (weights unknown) until both
+        succeeded."""
         self.version = None
         self._failed_version = version
-        self.llm.collective_rpc("rollwise_reload", args=(str(path), int(version)))
+        load()
         if not self.llm.reset_prefix_cache():
-            raise EngineStateError(f"reload of version {version} from {path}: vLLM refused to reset its prefix "
-                                   f"cache (requests still running?)")
+            raise EngineStateError(f"{what}: vLLM refused to reset its prefix cache (requests still running?)")
         self.version = int(version)
         self._failed_version = None
+
+    def release_memory(self) -> None:
+        """Let go of the GPU memory while the trainer trains: vLLM's sleep level 1 (weights copied to CPU memory,
+        KV cache and prefix cache dropped). A no-op unless the engine was started with `enable_sleep_mode` on
+        CUDA. A weight sync takes the weights back first, the next generation or probe the KV cache."""
+        self._check_open()
+        if not self.sleep_mode or self._sleeping:
+            return
+        self.llm.sleep(level=1)
+        self._sleeping = {"weights", "kv_cache"}
+
+    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Take back what `release_memory` let go of, among `tags` ('weights' before a weight sync, 'kv_cache'
+        before generating); a no-op for what is resident already."""
+        wake = [t for t in ("weights", "kv_cache") if t in tags and t in self._sleeping]
+        if wake:
+            self.llm.wake_up(tags=wake)
+            self._sleeping.difference_update(wake)
 
     def update_adapter(self, adapter_dir: str | Path, version: int) -> None:
         """Sample later calls with the PEFT adapter saved in `adapter_dir`, as `version` (a new LoRA id)."""
         from vllm.lora.request import LoRARequest
 
         self._check_open()
+        self.resume_memory(("weights",))
         if not self.lora_enabled:
             raise ValueError("update_adapter: the vLLM engine was started without LoRA; set "
                              "rollout.engine_options = {enable_lora = true, max_lora_rank = R}")
@@ -232,6 +296,8 @@ class VLLMEngine:
             finally:
                 del llm
                 gc.collect()
+                if self.in_process:
+                    vllm_inprocess.closed(self)
         if self._own_sync_dir is not None:
             shutil.rmtree(self._own_sync_dir, ignore_errors=True)
 
@@ -247,10 +313,12 @@ class VLLMEngine:
             raise EngineStateError("the vLLM engine is closed")
 
     def _check_usable(self) -> None:
+        """Before generating: open, weights of a known version, and the memory sleep mode let go of taken back."""
         self._check_open()
         if self.version is None:
             raise EngineStateError(f"engine weights are in an unknown state after a failed sync at version "
                                    f"{self._failed_version}; sync the weights again before generating")
+        self.resume_memory()
 
     def _sync_folder(self) -> Path:
         if self.sync_dir is not None:

@@ -1,4 +1,4 @@
-"""A vLLM worker extension: versioned weight reloads from a safetensors folder.
+"""A vLLM worker extension: versioned weight reloads from a safetensors folder, or from tensors in this process.
 
 vLLM mixes this class into its worker class when started with
 `worker_extension_cls="rollwise.generate.vllm_ext.RollwiseWorkerExtension"` (in-process `vllm.LLM`) or
@@ -9,6 +9,9 @@ or `POST /collective_rpc {"method": name, "args": [...]}` on a server started in
 Contract (other rollwise clients rely on these names):
 - `rollwise_reload(path: str, version: int) -> None`: reload every weight from the safetensors folder `path`
   (HF names, whole checkpoint), re-pack a tied LM head, then record `version`.
+- `rollwise_load_tensors(weights, version: int) -> None`: the same from an iterable of (HF name, tensor) pairs;
+  only for an engine core in the caller's process (`rollwise.generate.vllm_inprocess`), where `collective_rpc`
+  hands the worker its arguments by reference (a child process would be sent a pickled copy, or nothing).
 - `rollwise_version() -> int | None`: the version of the weights loaded, None until a versioned reload
   succeeded (and again after a reload failed half-way).
 
@@ -18,8 +21,10 @@ server. Until then, cached KV blocks computed by the old weights would be reused
 
 Checked against vLLM 0.32.0 (`vllm/model_executor/model_loader/reload/`):
 - `GPUModelRunner.reload_weights(weights_path=DIR)` (also the CPU runner's) re-reads every `*.safetensors`
-  file of DIR through the model's own `load_weights` and re-runs each layer's
+  file of DIR (or takes `weights_iterator=` pairs) through the model's own `load_weights` and re-runs each layer's
   `process_weights_after_loading`, copying the result into the original storage.
+- A reload that raises half-way leaves layers on the meta device with buffered tensors, which the next reload
+  would replay: `_abandon_reload` restores them (the version stays unknown until a reload succeeds).
 - A tied LM head (`lm_head.weight is embed_tokens.weight`) receives no checkpoint tensor, so its layer is
   never re-processed: on CPU its `cpu_linear` closure keeps the packed copy (oneDNN / sgl-kernel) of the
   *old* embedding, and logits silently come from stale weights. `_repack_tied_head` re-runs the head's
@@ -38,9 +43,24 @@ class RollwiseWorkerExtension:
 
     def rollwise_reload(self, path: str, version: int) -> None:
         """Reload all weights from the safetensors folder `path`, re-tie the LM head, adopt `version`."""
+        self._rollwise_reload_from(version, weights_path=str(path))
+
+    def rollwise_load_tensors(self, weights, version: int) -> None:
+        """Load all weights from `weights` ((HF name, tensor) pairs) in place, re-tie the LM head, adopt `version`.
+
+        The same layer-wise in-place reload as `rollwise_reload`, fed from the pairs instead of the files.
+        """
+        self._rollwise_reload_from(version, weights_iterator=weights)
+
+    def _rollwise_reload_from(self, version: int, **source) -> None:
         self._rollwise_version = None  # unknown until the whole reload succeeded
-        self.model_runner.reload_weights(weights_path=str(path))
-        _repack_tied_head(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        try:
+            self.model_runner.reload_weights(**source)
+        except BaseException:
+            _abandon_reload(model)
+            raise
+        _repack_tied_head(model)
         self._rollwise_version = int(version)
 
     def rollwise_version(self) -> int | None:
@@ -69,6 +89,24 @@ def _head_and_embedding(model: torch.nn.Module):
     if not isinstance(embed, torch.nn.Module):
         embed = None
     return head, embed
+
+
+def _abandon_reload(model: torch.nn.Module) -> None:
+    """After a reload that raised half-way (a tensor of the wrong shape, out of memory): put every layer still
+    waiting for weights back on its own tensors and drop what it had buffered. vLLM 0.32's layer-wise reload
+    does not do it, and the next reload would otherwise replay the buffered tensors (and fail again) or skip
+    those layers. The weights are then part old, part new: the caller keeps the version unknown."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _place_kernel_tensors
+
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            _place_kernel_tensors(layer, info)
+        info.reset()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
 
 
 def _repack_tied_head(model: torch.nn.Module) -> None:

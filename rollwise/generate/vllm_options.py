@@ -1,4 +1,5 @@
-"""vLLM's speculative decoding and quantization as `rollout.engine_options`, checked before a run starts.
+"""vLLM's options: the `vllm.LLM` keyword arguments rollwise builds (`llm_kwargs`), and vLLM's speculative
+decoding and quantization as `rollout.engine_options`, checked before a run starts.
 
     rollout.engine = "vllm"
     rollout.engine_options = { speculative_config = { method = "ngram", num_speculative_tokens = 3,
@@ -17,6 +18,13 @@ without vLLM installed, against the fallback lists below (vLLM 0.32's), so `--dr
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+
+import torch
+
+EXTENSION = "rollwise.generate.vllm_ext.RollwiseWorkerExtension"
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # the KV cache of an engine on the CPU, unless the options give one
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 # vLLM 0.32: what `--dry-run` checks against when vLLM is not importable here (a config for another machine)
 FALLBACK_SPECULATIVE_KEYS = (
@@ -88,3 +96,32 @@ def _speculative_errors(spec) -> list[str]:
         return ["rollout.engine_options.speculative_config needs 'model' (a draft model) or 'method' "
                 "(e.g. 'ngram', 'eagle', 'mtp')"]
     return []
+
+
+def llm_kwargs(model_dir: Path, dtype: torch.dtype, max_batch_size: int, seed: int, max_model_len: int,
+               options: dict, cuda: bool, in_process: bool) -> tuple[dict, str | None]:
+    """(`vllm.LLM` keyword arguments, the weight-transfer backend configured or None); `options` apply last.
+
+    KV cache: on the CPU `kv_cache_memory_bytes` defaults to 256 MiB (vLLM would otherwise take
+    `gpu_memory_utilization` of the machine's RAM); on CUDA it is left to the options, since it overrides
+    `gpu_memory_utilization`, the GPU share `rollwise.generate.factory.engine_options` gives a colocated engine.
+    Weight transfer (CUDA): vLLM's IPC / NCCL transfer is configured for an engine core in a child process, or
+    when `weight_transfer_backend` is given; an engine core in this process takes the tensors directly.
+    """
+    options = dict(options)
+    kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), dtype=DTYPE_NAMES[dtype], seed=seed,
+                  max_num_seqs=max_batch_size, max_model_len=max_model_len, enforce_eager=False,
+                  logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION)
+    if not cuda:
+        kwargs["kv_cache_memory_bytes"] = DEFAULT_KV_CACHE_BYTES
+    backend = options.pop("weight_transfer_backend", None)
+    transfer = None
+    if cuda and "weight_transfer_config" not in options and (backend is not None or not in_process):
+        from vllm.config import WeightTransferConfig
+
+        transfer = backend or "ipc"
+        kwargs["weight_transfer_config"] = WeightTransferConfig(backend=transfer)
+    if options.get("max_lora_rank") is not None:
+        options.setdefault("enable_lora", True)
+    kwargs.update(options)
+    return kwargs, transfer

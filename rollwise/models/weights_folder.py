@@ -99,6 +99,16 @@ def check_whole(state_dict: dict[str, torch.Tensor], expected: set[str]) -> None
                          f"({', '.join(unknown[:6])}); state dict names must be the HF names save_pretrained writes")
 
 
+def whole_state(state_dict: dict[str, torch.Tensor], expected: set[str], tied: bool) -> dict[str, torch.Tensor]:
+    """The state dict as the engine's checkpoint names it: a tied model's `lm_head.weight` (in `state_dict()`, not
+    in the checkpoint) dropped, then `check_whole` (ValueError for a missing tensor or a partial fused group)."""
+    state = dict(state_dict)
+    if tied and "lm_head.weight" in state and "lm_head.weight" not in expected:
+        del state["lm_head.weight"]
+    check_whole(state, expected)
+    return state
+
+
 def write_version_dir(state_dict: dict[str, torch.Tensor], version: int, sync_dir: str | Path,
                       model_dir: str | Path, expected: set[str] | None = None, tied: bool | None = None,
                       dtype: torch.dtype | None = None) -> tuple[Path, int]:
@@ -113,10 +123,7 @@ def write_version_dir(state_dict: dict[str, torch.Tensor], version: int, sync_di
     model_dir, sync_dir = Path(model_dir), Path(sync_dir)
     expected = checkpoint_names(model_dir) if expected is None else expected
     tied = tied_embeddings(model_dir) if tied is None else tied
-    state = dict(state_dict)
-    if tied and "lm_head.weight" in state and "lm_head.weight" not in expected:
-        del state["lm_head.weight"]
-    check_whole(state, expected)
+    state = whole_state(state_dict, expected, tied)
     tensors = {}
     for name, tensor in state.items():
         tensor = tensor.detach()

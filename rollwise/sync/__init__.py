@@ -1,11 +1,16 @@
 """The Sync stage: push the trainer's weights to the engines, versioned, and check that they arrived.
 
 `WeightSync.push(version)` takes the trainer's full policy weights (`trainer.policy_state()`: merged LoRA, gathered
-FSDP shards), sends them through the configured transport (`rollwise.sync.transports`: in-process tensors, a
-safetensors folder the engine reloads, or vLLM's NCCL transfer) or, with LoRA on an engine that serves adapters,
-the adapter alone; then it compares the log-probs the engine and the trainer give to a fixed probe sequence.
+FSDP shards), sends them through the configured transport (`rollwise.sync.transports`: tensors copied in this
+process, into the torch engine or a vLLM engine core running here; a safetensors folder the engine reloads; or
+vLLM's NCCL transfer) or, with LoRA on an engine that serves adapters, the adapter alone; then it compares the
+log-probs the engine and the trainer give to a fixed probe sequence.
 A gap above `sync.max_logprob_diff` stops the run (`SyncError`): weights that were half-loaded, a tied LM head
 left stale, or a dtype mix-up would otherwise train on silently corrupted samples.
+
+`WeightSync.release_memory()`, called before the Train stage, lets an engine that shares the trainer's GPU free
+its memory (vLLM's sleep mode, `caps.sleep_mode`); the push that follows takes the weights' memory back, the
+probe (or the next generation) the KV cache. A no-op for every other engine.
 """
 
 from __future__ import annotations
@@ -93,6 +98,12 @@ class WeightSync:
         if self.probe_ids:
             metrics["sync/logprob_max_abs_diff"], metrics["sync/logprob_mean_abs_diff"] = self.check(version)
         return metrics
+
+    def release_memory(self) -> None:
+        """Before the Train stage: the engine gives its accelerator memory to the trainer until the next push or
+        generation needs it (only an engine with `caps.sleep_mode`, started with it; else nothing happens)."""
+        if self.engine is not None and self.engine.caps.sleep_mode:
+            self.engine.release_memory()
 
     def _push_adapter(self, version: int) -> dict[str, float]:
         folder = self.sync_dir / f"adapter-v{version}"

@@ -1,6 +1,8 @@
 """Weight-sync transports: how the trainer's state dict reaches an engine (`sync.transport`).
 
-- `tensors`: in-process copy into the engine's own parameters (the torch engine's `update_weights`).
+- `tensors`: `engine.update_weights(state_dict, version)` where that is a copy in this process: the torch
+  engine's parameters, or a vLLM engine whose core runs in this process (`VLLMEngine` with `in_process`: the
+  tensors go to the model's own `load_weights` in the engine's dtype, no file; `rollwise.generate.vllm_inprocess`).
 - `safetensors`: the full HF state dict written as a folder `sync_dir/v<version>` (tmp dir + rename), then
   `engine.reload_from(folder, version)`; older folders are deleted. The state dict must be whole: a missing
   weight, or part of a fused group (q/k/v, gate/up), is refused, because vLLM fuses those groups on load and
@@ -8,8 +10,8 @@
 - `nccl`: vLLM's native GPU weight transfer (`vllm.distributed.weight_transfer`, vLLM 0.32): the trainer
   process is rank 0 of a transfer group and streams every tensor into the engine workers, which load it
   in place (`start_weight_update` / `update_weights` / `finish_weight_update`). Needs CUDA; not tested here.
-- `auto`: `tensors` for an engine whose `caps.tensors` is set (the torch engine, Ray torch workers) or that cannot
-  `reload_from`; else `safetensors` on CPU, `nccl` on CUDA (vLLM).
+- `auto`: `tensors` for an engine whose `caps.tensors` is set (the torch engine, vLLM in process, Ray torch
+  workers) or that cannot `reload_from`; else `safetensors` on CPU, `nccl` on CUDA (vLLM in a child process).
 
 `push(state_dict, version)` returns metrics: `sync/time_s` (wall seconds of the whole push) and `sync/bytes`
 (tensor bytes sent).
@@ -90,7 +92,8 @@ def build_transport(name: str, engine, sync_dir: str | Path | None = None) -> Tr
         name = _auto_name(engine)
     if name == "tensors":
         if not engine.caps.tensors:
-            raise ValueError(f"sync.transport = 'tensors' copies into an in-process torch engine; "
+            raise ValueError(f"sync.transport = 'tensors' copies into an in-process torch engine or a vLLM engine "
+                             f"whose core runs in this process (rollout.engine_options.in_process); this "
                              f"{type(engine).__name__} takes 'safetensors' or 'nccl'")
         return TensorsTransport(engine)
     if name == "safetensors":
@@ -115,10 +118,10 @@ def _auto_name(engine) -> str:
 class NcclTransport(Transport):
     """vLLM 0.32's native weight transfer (`vllm.distributed.weight_transfer`), trainer side.
 
-    The engine must be an in-process `VLLMEngine` on CUDA started with a `weight_transfer_config` (it is by
-    default on CUDA). Backend: `nccl` (a PyNccl group: the trainer is rank 0, the engine's workers ranks
-    1..N) when the engine's GPUs are not the trainer's; `ipc` (CUDA IPC handles, no copy through NCCL) when
-    they share one GPU, since NCCL refuses two ranks on one device. Override with engine option
+    The engine must be a `VLLMEngine` on CUDA started with a `weight_transfer_config` (by default when its
+    engine core runs in a child process; one in this process takes `tensors`). Backend: `nccl` (a PyNccl group:
+    the trainer is rank 0, the engine's workers ranks 1..N) when the engine's GPUs are not the trainer's; `ipc`
+    (CUDA IPC handles, no copy through NCCL) when they share one GPU, since NCCL refuses two ranks on one device. Override with engine option
     `weight_transfer_backend`. After the transfer the tied head needs no re-pack (GPU kernels read the
     Parameter), the prefix cache is reset and the version adopted. Written from the vLLM source; not run
     here (no CUDA on this machine).
@@ -133,8 +136,9 @@ class NcclTransport(Transport):
         from rollwise.generate.vllm_engine import VLLMEngine
 
         if not isinstance(engine, VLLMEngine) or engine.weight_transfer_backend is None:
-            raise ValueError(f"sync.transport = 'nccl' needs an in-process VLLMEngine on CUDA started with a "
-                             f"weight_transfer_config; got {type(engine).__name__}")
+            raise ValueError(f"sync.transport = 'nccl' needs a VLLMEngine on CUDA started with a "
+                             f"weight_transfer_config (its engine core in a child process; one in this process "
+                             f"takes 'tensors'); got {type(engine).__name__}")
         self.engine = engine
         self.backend = engine.weight_transfer_backend
         self.source = _state_source()
