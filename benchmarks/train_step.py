@@ -3,6 +3,7 @@
     python benchmarks/train_step.py                          # this tree: median trainer step, tokens/s, MFU
     python benchmarks/train_step.py --profile                # + torch.profiler's top operators by self time
     python benchmarks/train_step.py --a /tree/before --b .   # two trees side by side (A B A B ...), ratio
+    python benchmarks/train_step.py --a . --b . --b-set compile=true   # one tree against itself with a setting
 
 The batch is synthetic but shaped like the default recipe's (recipes/quickstart.toml): 8 prompts x 8 responses,
 prompts of `--prompt-tokens` tokens, response lengths drawn uniformly from [`--min-response`, `--max-response`]
@@ -42,7 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-response", type=int, default=12)
     p.add_argument("--max-response", type=int, default=48)
     p.add_argument("--micro-batch-tokens", type=int, default=1024)
-    p.add_argument("--set", action="append", default=[], help="extra train.KEY=VALUE (this tree only)")
+    p.add_argument("--set", action="append", default=[], help="extra train.KEY=VALUE (both trees)")
+    p.add_argument("--b-set", action="append", default=[], help="side by side: extra train.KEY=VALUE for tree b "
+                   "only (one tree against itself with a setting: --a . --b . --b-set compile=true)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
     p.add_argument("--json", action="store_true", help="one JSON line (used by the side-by-side mode)")
     return p.parse_args(argv)
@@ -84,12 +87,11 @@ def run_here(args) -> dict:
     algo_cfg = AlgoConfig(advantage="grpo", loss="ppo_clip", clip_low=0.2, clip_high=0.28, kl_coef=0.0)
     trainer = Trainer(model, train_cfg, algo_cfg, pad_id=tokenizer.pad_token_id, max_new_tokens=args.max_response)
     samples = synthetic_samples(args, model.config.vocab_size)
-    times, metrics = [], {}
+    times, warmup_s, metrics = [], [], {}
     for k in range(args.warmup + args.steps):
         start = time.perf_counter()
         metrics = trainer.step(samples)
-        if k >= args.warmup:
-            times.append(time.perf_counter() - start)
+        (times if k >= args.warmup else warmup_s).append(time.perf_counter() - start)
     if args.profile:
         profile(trainer, samples)
     cfg = model.config
@@ -105,7 +107,7 @@ def run_here(args) -> dict:
     dtype = torch.bfloat16 if use_bf16(args.precision, "cpu") else torch.float32
     median = statistics.median(times)
     peak = matmul_peak_gflops(dtype, args.threads)
-    return {"median_step_s": median, "times_s": times, "real_tokens": real, "response_tokens": responses,
+    return {"median_step_s": median, "times_s": times, "warmup_s": warmup_s, "real_tokens": real, "response_tokens": responses,
             "tokens_per_s": real / median, "model_gflop": flops / 1e9, "gflops": flops / median / 1e9,
             "peak_gflops": peak, "mfu_measured": flops / median / 1e9 / peak if peak else None,
             "dtype": str(dtype).replace("torch.", ""), "padding_eff": metrics.get("perf/train_padding_eff"),
@@ -134,7 +136,7 @@ def _cpu() -> str:
 
 def side_by_side(args) -> dict:
     forwarded = [a for a in sys.argv[1:] if a not in ("--profile",)]
-    skip = {"--a", "--b", "--repeats"}
+    skip = {"--a", "--b", "--repeats", "--b-set"}
     inner, it = [], iter(forwarded)
     for a in it:
         if a in skip:
@@ -146,7 +148,8 @@ def side_by_side(args) -> dict:
         for side in ("a", "b"):
             tree = getattr(args, side).resolve()
             env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *inner, "--json"], env=env,
+            extra = [x for kv in args.b_set for x in ("--set", kv)] if side == "b" else []
+            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *inner, *extra, "--json"], env=env,
                                  cwd=tree, check=True, capture_output=True, text=True).stdout
             row = json.loads(out.strip().splitlines()[-1])
             results[side].append(row)
@@ -155,10 +158,12 @@ def side_by_side(args) -> dict:
     med = {s: statistics.median(t for r in rows for t in r["times_s"]) for s, rows in results.items()}
     last = {s: rows[-1] for s, rows in results.items()}
     return {"median_step_s": med, "ratio_a_over_b": med["a"] / med["b"],
+            "first_step_s": {s: statistics.median(r["warmup_s"][0] for r in rows if r.get("warmup_s"))
+                             if any(r.get("warmup_s") for r in rows) else None for s, rows in results.items()},
             "tokens_per_s": {s: last[s]["real_tokens"] / med[s] for s in med},
             "mfu_measured": {s: last[s]["model_gflop"] / med[s] / last[s]["peak_gflops"] for s in med},
             "peak_gflops": last["b"]["peak_gflops"], "dtype": last["b"]["dtype"], "cpu": last["b"]["cpu"],
-            "trees": {"a": str(args.a), "b": str(args.b)}}
+            "trees": {"a": str(args.a), "b": str(args.b)}, "b_set": args.b_set}
 
 
 def main(argv=None) -> int:

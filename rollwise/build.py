@@ -36,6 +36,7 @@ from rollwise.methods import MethodSetup
 from rollwise.methods.plan import MethodPlan, plan_stages
 from rollwise.methods.sft import load_demo_sources
 from rollwise.metrics import build_sinks, truncate_after
+from rollwise.metrics.collapse import CollapseWatch
 from rollwise.models import load_model, model_info
 from rollwise.models.weights_folder import write_initial_weights
 from rollwise.perf import FlopCounter
@@ -135,6 +136,7 @@ def assemble(run: Run, state: dict | None, ckpt: Path | None, generation_threads
     cfg = run.cfg
     run.plan = build_plan(run)
     run.guards = Guards(cfg)
+    run.collapse = CollapseWatch.for_run(run.run_dir)  # resumed: folded from the rows metrics.jsonl kept
     run.eval_prompts = encode_eval_prompts(run.source, run.encoder, cfg.eval.n, to_stdout=True)
     run.flops = FlopCounter(model_info(run.model))
     run.replay = ReplayBuffer(cfg.replay, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt,

@@ -73,6 +73,8 @@ def train(
         cfg = load(recipe, overrides)
     except ConfigError as exc:
         _fail(str(exc))
+    for note in cfg._load_notes:  # a task other than the recipe's (rollwise.config_tasks)
+        typer.echo(f"rollwise: {note}", err=True)
     if dry_run:
         from rollwise.hardware import resolve_device, slow_bf16_warning
 
@@ -154,7 +156,7 @@ def eval_cmd(
     decode: str = typer.Option("plain", "--decode", help="'deeplook': also decode with confidence-triggered "
                                "lookahead and voting (eval.deeplook_* keys), reported as deeplook_* with tokens spent"),
     best: bool = typer.Option(False, "--best", help="with a run directory: its best checkpoint "
-                              "(checkpoints/best, written by train.early_stop) instead of its newest"),
+                              "(checkpoints/best, kept whenever the run evaluates) instead of its newest"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     engine: Optional[str] = typer.Option(None, "--engine", help=ENGINE_HELP),
     overrides: Optional[list[str]] = typer.Argument(None, help="section.key=value (e.g. data.system_prompt=...)"),

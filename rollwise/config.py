@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, SecretStr, field_serializer, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PrivateAttr, SecretStr, field_serializer, field_validator,
                       model_validator)
 
 from rollwise.errors import UserError
@@ -360,6 +360,8 @@ class TrainConfig(Section):
         "auto", description="recompute each decoder layer's activations in backward instead of keeping them "
         "(non-reentrant): far less activation memory for about one more forward pass; auto = on from about 1B "
         "parameters or when the memory estimate (rollwise train --dry-run) says the run would not fit without it")
+    compile: bool = Field(False, description="torch.compile each decoder layer (dynamic shapes) for training; off "
+                          "by default: on the CPU it measured 0.67x (benchmarks/train_step.py, BENCHMARKS.md)")
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32", description="bf16 = bf16 autocast with fp32 master weights; auto = bf16 on CUDA or where the CPU has "
         "native bf16")
@@ -377,6 +379,9 @@ class TrainConfig(Section):
     )
     early_stop: EarlyStopConfig | None = Field(None, description="stop on an evaluation metric and keep the best "
                                                "checkpoint, e.g. {metric = 'eval/greedy_accuracy', patience = 3}")
+    keep_best: bool = Field(True, description="keep checkpoints/best by held-out accuracy whenever evaluation runs "
+                            "(eval.n > 0; eval/greedy_accuracy, else eval/sampled_accuracy); false = only the newest "
+                            "checkpoints (train.early_stop keeps its own best either way)")
     trainable: str = Field("all", pattern=r"^(all|layers:\d+(-\d+)?(,\d+(-\d+)?)*)$", description="which parameters "
                            "train: 'all', or 'layers:A-B' (0-based decoder layers, e.g. 'layers:20-29' or "
                            "'layers:3,10-12'); everything else is frozen (no gradient, no optimizer state)")
@@ -503,6 +508,8 @@ class Config(Section):
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
     stage: list[StageConfig] = Field(default_factory=list, description="[[stage]] tables: kind and steps, in order")
+    # what loading changed and the run should say (rollwise.config_tasks: a task other than the recipe's)
+    _load_notes: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _strategy_runs_here(self) -> "Config":  # rollout.strategy (rollwise/rollout_strategies/)

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollwise.config import SECRET_MASK, Config, ConfigError, StageConfig, secret_keys
+from rollwise.config_tasks import switch_task
 
 
 def valid_keys(section: str | None = None) -> list[str]:
@@ -110,10 +111,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
         _check_keys(data, where)
+    given: dict[str, Any] = {}
     for override in overrides or []:
-        apply_override(data, override)
+        apply_override(given, override)
+    # a task other than the recipe's: the recipe's task-bound keys stay behind (rollwise.config_tasks)
+    data, notes = switch_task(data, given) if path is not None else (_merged(data, given), [])
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, where)) from exc
+    cfg._load_notes = notes
+    return cfg
+
+
+def _merged(data: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    for sec, body in given.items():
+        data.setdefault(sec, {}).update(body)
+    return data
 

@@ -30,8 +30,8 @@ from rollwise.train.checkpoint import BEST, CHECKPOINTS, best_checkpoint, latest
 
 def resolve_target(model: str, best: bool = False) -> tuple[str, Path | None]:
     """(model to load, recipe of the run it came from). A run directory resolves to its newest checkpoint, or
-    with `best` (or given as RUN_DIR/checkpoints/best) to the checkpoint of its best evaluation
-    (train.early_stop)."""
+    with `best` (or given as RUN_DIR/checkpoints/best) to the checkpoint of its best evaluation (kept whenever
+    the run evaluates: rollwise.early_stop)."""
     path = Path(model)
     if path.name == BEST and path.parent.name == CHECKPOINTS and path.is_file():
         path, best = path.parent.parent, True
@@ -40,8 +40,9 @@ def resolve_target(model: str, best: bool = False) -> tuple[str, Path | None]:
             raise FileNotFoundError(f"--best takes a run directory; {path} has no {CHECKPOINTS}/ folder")
         ckpt = best_checkpoint(path)
         if ckpt is None:
-            raise FileNotFoundError(f"{path} has no {CHECKPOINTS}/{BEST} naming a complete checkpoint: the run had "
-                                    "no train.early_stop (or no evaluation yet); drop --best for its newest one")
+            raise FileNotFoundError(f"{path} has no {CHECKPOINTS}/{BEST} naming a complete checkpoint: the run had no "
+                                    "evaluation (eval.n = 0, or none yet) or train.keep_best = false; drop --best "
+                                    "for its newest checkpoint")
         return str(ckpt), path / "config.toml"
     if (path / "checkpoints").is_dir():
         ckpt = latest_checkpoint(path)

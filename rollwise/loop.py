@@ -20,6 +20,7 @@ from rollwise.hardware import adapt_threads
 from rollwise.interrupt import RunInterrupted, StopOnInterrupt
 from rollwise.methods import StepInput
 from rollwise.metrics import ConsoleView, print_summary, write_report
+from rollwise.metrics.collapse import answer_metrics
 from rollwise.train.flops import step_perf
 from rollwise.record import TRAIN_KEYS, StageTimer, log_samples, perf_metrics, rollout_metrics
 from rollwise.session import Run, save_run
@@ -55,6 +56,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     batch.replayed, batch.trained = replayed, prepared.samples + replayed
     train_metrics: dict[str, float] = {}
     with timer("train"):  # Train
+        run.sync.release_memory()  # an engine sharing the trainer's GPU frees it until the sync (vLLM sleep mode)
         if batch.trained:
             train_metrics = run.trainer.step(batch.trained, version=version, terms=prepared.terms)
             method.after_update(run.model)
@@ -67,6 +69,7 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
            **curriculum, **prepared.metrics, **run.rollouts.pop_metrics(), **run.plan.metrics(version)}
     row["replay/replayed_frac"] = len(replayed) / max(1, len(batch.trained))
     row.update(rollout_metrics(batch.scored, run.rollouts.stats.generated_tokens, batch.generate_s))
+    row.update(answer_metrics(batch.scored))  # one answer to every prompt? (rollwise.metrics.collapse)
     row.update(run.guards.observe(run.step, batch.scored, row, alarm=method.uses_teacher))
     row.update(episode_metrics([s for g in batch.generated for s in g.samples]))
     row.update(perf_metrics(row, timer, time.perf_counter() - step_start))
@@ -77,12 +80,14 @@ def rl_step(run: Run) -> tuple[dict[str, float], StepBatch]:
     run.totals["tokens_trained"] += row.get("train/tokens", 0.0)
     run.totals["steps_s"] = run.totals.get("steps_s", 0.0) + row["perf/step_s"]
     batch.record = prepared.record
+    if run.collapse is not None:  # the complete row: answer collapse, entropy ratio (prints a warning once)
+        row.update(run.collapse.observe(row))
     return row, batch
 
 
 def run_eval(run: Run, early: EarlyStop | None = None) -> dict[str, float]:
-    """Evaluate the current policy and log the row; `early` (train.early_stop) observes it, and saves the
-    step's checkpoint when it is the best so far."""
+    """Evaluate the current policy and log the row; `early` (the best checkpoint, train.early_stop) observes
+    it, and saves the step's checkpoint when it is the best so far."""
     cfg = run.cfg
     adapt_threads()
     start = time.perf_counter()
@@ -93,6 +98,8 @@ def run_eval(run: Run, early: EarlyStop | None = None) -> dict[str, float]:
                        reward_timeout_s=cfg.reward.timeout_s, episodes=run.episodes, k=cfg.eval.k,
                        stop=tuple(cfg.rollout.stop), top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
     row = {"step": run.step, "kind": "eval", **metrics, "perf/time/eval_s": time.perf_counter() - start}
+    if run.collapse is not None:  # held-out accuracy below its best by more than noise (rollwise.metrics.collapse)
+        row.update(run.collapse.observe(row))
     run.writer.write(row)
     if early is not None:
         early.observe(row, save=lambda: save_run(run))
@@ -135,8 +142,9 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
     print(f"rollwise: run {run_dir} | model {cfg.model.name} | task {cfg.data.path or cfg.data.task} | "
           f"step {run.step}/{cfg.train.steps}", flush=True)
     first_eval = None
-    early = EarlyStop.for_run(cfg.train.early_stop, run_dir)  # resumed: its state from the run's eval rows
-    if run.step == 0 and cfg.eval.n > 0 and cfg.eval.at_start:
+    early = EarlyStop.for_run(cfg, run_dir)  # checkpoints/best, train.early_stop; resumed: from the eval rows
+    # (a run resumed from its step-0 checkpoint, the best one so far, has its starting evaluation already)
+    if run.step == 0 and cfg.eval.n > 0 and cfg.eval.at_start and not early.evaluated(0):
         print(f"rollwise: evaluating the starting model on {len(run.eval_prompts)} held-out prompts", flush=True)
         stop.phase = "evaluation at step 0"
         first_eval = run_eval(run, early)
@@ -180,17 +188,14 @@ def _train(run: Run, cfg, run_dir: Path, stop: StopOnInterrupt) -> dict:
     if early.saved_step != run.step:
         save_run(run)
     stop.phase = "report"
-    if early.enabled:
-        print(early.line(run.step), flush=True)
     return finish(run, first_eval, last_eval, early)
 
 
 def finish(run: Run, first_eval: dict | None, last_eval: dict | None, early: EarlyStop | None = None) -> dict:
     from rollwise.metrics.report import summarize
 
-    if run.cfg.run.report:
-        write_report(run.run_dir)
     history = summarize(run.run_dir)
+    best = early.best() if early is not None else None  # checkpoints/best and whether the run ended below it
     summary = {
         "eval_before": first_eval or history.get("eval_before") or {},
         "eval_after": last_eval or {},
@@ -200,7 +205,14 @@ def finish(run: Run, first_eval: dict | None, last_eval: dict | None, early: Ear
         "steps": run.step,
         "run_dir": str(run.run_dir),
         **({"early_stop": early.summary()} if early is not None and early.enabled else {}),
+        **({"best": best} if best is not None else {}),
     }
+    if run.collapse is not None and run.collapse.summary():  # the collapse warnings the run raised
+        summary["warnings"] = run.collapse.summary()
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if run.cfg.run.report:  # after summary.json: the report shows its best checkpoint
+        write_report(run.run_dir)
     print_summary(summary)
+    for line in early.lines(run.step) if early is not None and early.keeps_best else []:
+        print(line, flush=True)  # where the best is; a warning when the run ended below it by more than noise
     return summary

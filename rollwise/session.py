@@ -25,6 +25,7 @@ from rollwise.data.errors import DatasetError
 from rollwise.distill.guards import Guards
 from rollwise.generate.base import Engine
 from rollwise.metrics import MetricsWriter
+from rollwise.metrics.collapse import CollapseWatch
 from rollwise.methods.plan import MethodPlan
 from rollwise.perf import FlopCounter
 from rollwise.replay import ReplayBuffer
@@ -64,6 +65,7 @@ class Run:
     episodes: Episodes | None = None  # multi-turn episodes (env.name or the task's environment); None = one turn
     plan: MethodPlan | None = None  # the stage and method of every step
     guards: Guards | None = None  # repetition and the truncation-collapse alarm
+    collapse: CollapseWatch | None = None  # answer-collapse and held-out-drop warnings (rollwise.metrics.collapse)
     strategy: Any = None  # the rollout strategy in this process (rollout.strategy); None for episodes
 
     @property

@@ -90,11 +90,11 @@ def endpoint_accuracies(rows: list[dict], names: list[str], metric: str = "sampl
 
 def probe_config(cfg: Config, probe_steps: int) -> Config:
     """The probe run's config: the recipe with every source at weight 1, `probe_steps` steps, evaluations only
-    at step 0 and at the end, no intermediate checkpoints or report."""
+    at step 0 and at the end, no intermediate or best checkpoints, no report."""
     mix = [entry.model_copy(update={"weight": 1.0}) for entry in cfg.data.mix]
     return cfg.model_copy(update={
         "data": cfg.data.model_copy(update={"mix": mix}),
-        "train": cfg.train.model_copy(update={"steps": probe_steps, "early_stop": None}),
+        "train": cfg.train.model_copy(update={"steps": probe_steps, "early_stop": None, "keep_best": False}),
         "eval": cfg.eval.model_copy(update={"at_start": True, "every_steps": 0}),
         "run": cfg.run.model_copy(update={"save_every_steps": 0, "report": False}),
     })

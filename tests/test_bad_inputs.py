@@ -143,7 +143,8 @@ def test_nan_stop_leaves_only_finite_checkpoints(tmp_path, tiny_model_dir):
     assert proc.returncode == 2
     assert (run_dir / "error.log").read_text().count("NonFiniteError") >= 1
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
-    assert [c.name for c in checkpoints] == ["step-1", "step-2"]  # step 3 hit the limit before saving
+    # step-0: the starting model, the best evaluation so far (checkpoints/best); step 3 hit the limit before saving
+    assert [c.name for c in checkpoints] == ["step-0", "step-1", "step-2"]
     for ckpt in checkpoints:
         assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / "model.safetensors")).values())
 

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "rollwise"
 # Lower number = lower layer. A unit may import units of its own layer or below.
 LAYERS: dict[int, tuple[str, ...]] = {
     0: ("rollwise", "types", "errors", "registry", "config", "config_distill", "config_methods", "config_toml",
-        "config_load", "hardware"),
+        "config_load", "config_tasks", "hardware"),
     1: ("algo",),
     2: ("models", "sandbox", "metrics", "perf", "perf_datasheet"),
     3: ("data", "rewards", "generate", "train", "envs", "filter"),

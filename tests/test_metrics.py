@@ -34,6 +34,7 @@ def train_row(step: int) -> dict:
         "reward/mean": acc,
         "reward/accuracy": acc,
         "rollout/response_len_mean": 30.0 - 0.3 * step,
+        "rollout/answer_mode_frac": 0.3,
         "rollout/tokens": 1000 + step,
         "train/tokens": 1500,
         "train/kl": 0.001 * step,

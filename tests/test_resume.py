@@ -61,7 +61,8 @@ def straight_and_resumed(request, tmp_path_factory, tiny_model_dir):
     base = {**BASE, **VARIANTS[request.param]}
     quiet_train(tiny_config(tiny_model_dir, **base, **{"train.steps": 4}), a)
     quiet_train(tiny_config(tiny_model_dir, **base, **{"train.steps": 2}), b)
-    assert [p.name for p in list_checkpoints(b)] == ["step-2"]
+    # step-2 (run.save_every_steps), and step-0 when the starting evaluation is the best (checkpoints/best)
+    assert [p.name for p in list_checkpoints(b)][-1] == "step-2"
     summary = quiet_train(tiny_config(tiny_model_dir, **base, **{"train.steps": 4}), b, resume=True)
     return a, b, summary
 
@@ -133,7 +134,8 @@ KILL_STEPS = 6
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory, tiny_model_dir):
-    """A CLI run checkpointing every step, SIGKILLed after its first checkpoint, then `--resume`d."""
+    """A CLI run checkpointing every step, SIGKILLed after its first checkpoint (step-0, its starting evaluation
+    being its best so far: checkpoints/best; or a later one), then `--resume`d."""
     run_dir = tmp_path_factory.mktemp("kill") / "run"
     overrides = tiny_overrides(tiny_model_dir, **{
         "reward.fn": "toy_plugins:slow_digit_fraction",  # sleeps per sample while ROLLWISE_TEST_REWARD_SLEEP is set
@@ -171,7 +173,7 @@ def test_killed_run_resumes_and_finishes(killed_and_resumed):
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{KILL_STEPS}"
     steps = [int(p.name.split("-")[1]) for p in list_checkpoints(run_dir)]
-    assert steps == list(range(1, KILL_STEPS + 1))
+    assert steps == list(range(0, KILL_STEPS + 1))  # step-0: the starting model, kept as the first best
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == KILL_STEPS
     assert load_trainer_state(run_dir / "checkpoints" / f"step-{KILL_STEPS}")["data_position"] == KILL_STEPS * 4
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]

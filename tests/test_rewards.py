@@ -93,7 +93,7 @@ def test_verifier_table(name, text, answer, correct):
     result = REWARDS.get(name)(s)
     assert result == RewardResult(
         value=float(correct), parts={"correct": float(correct), "format": result.parts["format"]}, error=None,
-        correct=correct,
+        correct=correct, info=result.info,  # the extracted answer: tests/test_collapse_watch.py
     )
     assert s.correct is None  # the verifier reports; it does not write to the sample
     assert score_sample(s, REWARDS.get(name)) and s.correct is correct
@@ -366,7 +366,8 @@ def test_isolated_reward_errors_traceback_and_crash():
         assert [s.reward for s in samples] == [1.0, None, 0.0] and samples[0].correct is True
         assert samples[1].reward_error == "ValueError: prompt 'test:0' has no reference answer"
         assert "in reference" in samples[1].reward_traceback
-        assert fn(sample("12")) == RewardResult(value=1.0, parts={"correct": 1.0, "format": 1.0}, correct=True)
+        assert fn(sample("12")) == RewardResult(value=1.0, parts={"correct": 1.0, "format": 1.0}, correct=True,
+                                                info={"answer": "12"})  # info comes back from the worker
     with IsolatedReward("toy_plugins:crash_on_request", timeout_s=5.0) as fn:
         crash, after = sample("crash"), sample("fine")
         score_samples([crash, after], fn, 5.0)

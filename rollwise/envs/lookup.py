@@ -271,4 +271,4 @@ def lookup_reward(sample: Sample) -> RewardResult:
     """Exact match of the normalised final answer (`normalise_answer`) and the record's attribute."""
     gold = normalise_answer(reference(sample))
     pred = normalise_answer(sample.response_text)
-    return verdict(sample, pred == gold, found=bool(pred))
+    return verdict(sample, pred == gold, found=bool(pred), answer=pred)

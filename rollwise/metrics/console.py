@@ -148,7 +148,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
     """Final table: eval accuracy before and after (sampled, greedy), length, wall time, tokens, steps, run dir.
 
     `summary` keys: `eval_before`, `eval_after` (eval rows), `wall_s`, `tokens_generated`, `tokens_trained`,
-    `steps`, `run_dir`; any may be missing.
+    `steps`, `run_dir`, `best` (the best checkpoint: rollwise.early_stop), `early_stop`; any may be missing.
+    A run that ended below its best by more than the noise says so under the table, with the command.
     """
     before = summary.get("eval_before") or {}
     after = summary.get("eval_after") or {}
@@ -173,14 +174,37 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_row("wall time", "", fmt_duration(summary.get("wall_s")), "")
     table.add_row("tokens generated", "", fmt(summary.get("tokens_generated"), ",.0f"), "")
     table.add_row("tokens trained", "", fmt(summary.get("tokens_trained"), ",.0f"), "")
-    early = summary.get("early_stop")
-    if early and early.get("best_step") is not None:  # train.early_stop: where checkpoints/best points
-        stopped = " (stopped early)" if early.get("stopped_early") else ""
-        table.add_row(f"best {early['metric']}", "", f"{fmt(early['best_value'], '.3f')} at step "
-                      f"{early['best_step']}{stopped}", "")
+    _best_rows(table, summary)
     if summary.get("run_dir"):
         table.caption = f"run dir: {summary['run_dir']}"
+    best = summary.get("best") or {}
+    if best.get("below_best"):
+        table.caption = "\n".join(filter(None, [table.caption, below_best_note(best)]))
     return table
+
+
+def _best_rows(table: Table, summary: dict[str, Any]) -> None:
+    """Where checkpoints/best points (`best`, else an older summary's `early_stop`), and the final evaluation's
+    distance from it with its noise."""
+    early = summary.get("early_stop") or {}
+    stopped = " (stopped early)" if early.get("stopped_early") else ""
+    best = summary.get("best")
+    if best is None and early.get("best_step") is not None:
+        best = {"metric": early["metric"], "step": early["best_step"], "value": early["best_value"]}
+    if not best:
+        return
+    name = str(best["metric"]).removeprefix("eval/").replace("_", " ")
+    table.add_row(f"best {name}", "", f"{fmt(best['value'], '.3f')} at step {best['step']}{stopped}", "")
+    final, noise = best.get("final_value"), best.get("noise")
+    if isinstance(final, (int, float)) and isinstance(best["value"], (int, float)) and noise is not None:
+        verdict = "below, > noise" if best.get("below_best") else "within noise" if final < best["value"] else ""
+        table.add_row("final vs best", "", f"{final - best['value']:+.3f} (±{noise:.3f})", verdict)
+
+
+def below_best_note(best: dict[str, Any]) -> str:
+    """One sentence for a run whose final evaluation is below its best by more than noise, with the command that
+    evaluates the best checkpoint (summary.json's `best`)."""
+    return f"the final evaluation is below the best (step {best['step']}) by more than its noise: {best['command']}"
 
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:

@@ -3,12 +3,14 @@
 Plots over `step`: reward, accuracy (train line plus eval markers), response length, KL, entropy, logprob
 mismatch, throughput, off-policy token share and staleness, batch control (rounds, drops, carry-over), and the
 time split per stage (every `perf/time/<stage>_s` key, stacked); for a mixture (`[[data.mix]]`) each source's
-accuracy (train and held-out) and mean reward. Tables: first and last eval, total time per stage. The resolved
-`config.toml`, when present, is shown verbatim.
+accuracy (train and held-out) and mean reward. Tables: first and last eval, total time per stage, and the best
+checkpoint (summary.json's `best`: its step and value, the final value and the noise, and a warning with the
+command that evaluates it when the run ended below it). The resolved `config.toml`, when present, is shown verbatim.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -50,6 +52,8 @@ PLOTS = (
         ("eval/sampled_accuracy", "eval/greedy_accuracy"),
         y_range=(0.0, 1.0),
     ),
+    PlotSpec("Answers", "share of the step's responses giving its most common answer (warning at 0.9: "
+             "rollwise.metrics.collapse)", ("rollout/answer_mode_frac",), y_range=(0.0, 1.0)),
     PlotSpec("Response length", "mean response tokens per rollout", ("rollout/response_len_mean",)),
     PlotSpec("KL", "policy vs reference, per token", ("train/kl",)),
     PlotSpec("Entropy", "policy entropy per response token (nats)", ("train/entropy",)),
@@ -220,7 +224,7 @@ def time_table_html(rows: list[dict[str, Any]]) -> str:
 CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;background:#fafafa}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 8px}
-.muted,.meta{color:#777;font-size:13px}
+.muted,.meta{color:#777;font-size:13px} .warn{color:#a40;font-size:13px;max-width:520px}
 .tables{display:flex;gap:32px;flex-wrap:wrap;align-items:flex-start}
 table{border-collapse:collapse;font-size:13px;background:#fff}
 th,td{border:1px solid #ddd;padding:4px 10px;text-align:right} th:first-child,td:first-child{text-align:left}
@@ -318,6 +322,36 @@ def pass_at_k_html(rows: list[dict[str, Any]]) -> str:
     return f"<h2>pass@k</h2><div class='plots'><figure>{plot_svg(rows, spec)}</figure></div>"
 
 
+def saved_best(run_dir: Path) -> dict[str, Any] | None:
+    """summary.json's `best` (the run's best checkpoint), None when the run has no summary or no best."""
+    try:
+        best = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("best")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return best if isinstance(best, dict) and best.get("step") is not None else None
+
+
+def best_html(run_dir: Path) -> str:
+    """The "Best checkpoint" table: best and final value of its metric, the noise, the checkpoint, and a warning
+    with the commands that take it when the run ended below it by more than the noise; empty without one."""
+    best = saved_best(run_dir)
+    if best is None:
+        return ""
+    cells = [("metric", escape(str(best.get("metric")))),
+             ("best", f"{_cell(best.get('value'))} at step {_cell(best.get('step'))}"),
+             ("final", f"{_cell(best.get('final_value'))} at step {_cell(best.get('final_step'))}"),
+             ("noise", "-" if best.get("noise") is None else f"±{_cell(best['noise'])} on {_cell(best.get('n'))} "
+                       "prompts"),
+             ("checkpoint", escape(str(best.get("checkpoint"))))]
+    body = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in cells)
+    warning = ""
+    if best.get("below_best"):
+        warning = (f"<p class='warn'>The final evaluation is below the best by more than its noise: "
+                   f"<code>{escape(str(best.get('command')))}</code>, "
+                   f"<code>{escape(str(best.get('serve_command')))}</code></p>")
+    return f"<div><h2>Best checkpoint</h2><table>{body}</table>{warning}</div>"
+
+
 def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
     """The report page for `rows` of the run in `run_dir`."""
     figures = [plot_svg(rows, spec) for spec in PLOTS] + [time_svg(rows)]
@@ -333,7 +367,7 @@ def render_html(run_dir: Path, rows: list[dict[str, Any]]) -> str:
         f"</title><style>{CSS}</style></head><body>",
         f"<h1>rollwise run {escape(run_dir.name)}</h1><p class='meta'>{meta}</p>",
         f"<div class='tables'><div><h2>Eval</h2>{eval_table_html(rows)}</div>"
-        f"<div><h2>Time per stage</h2>{time_table_html(rows)}</div></div>",
+        f"<div><h2>Time per stage</h2>{time_table_html(rows)}</div>{best_html(run_dir)}</div>",
         "<h2>Plots</h2><div class='plots'>" + "".join(f"<figure>{f}</figure>" for f in figures) + "</div>",
         sources_html(rows),
         pass_at_k_html(rows),

@@ -118,15 +118,15 @@ class CMEReward:
 
     def _result(self, sample: Sample, value: float) -> RewardResult | BaseException:
         parts = {"cme_logp": value}
-        correct = None
+        correct, info = None, {}
         if self.verifier is not None:
             try:
                 verdict = as_result(self.verifier(sample))
             except Exception as exc:
                 return exc
-            correct = decide_correct(verdict)
+            correct, info = decide_correct(verdict), verdict.info  # the verifier's extracted answer, if any
             parts["correct"] = 1.0 if correct else 0.0
-        return RewardResult(value=value, parts=parts, correct=correct)
+        return RewardResult(value=value, parts=parts, correct=correct, info=info)
 
 
 def from_config(cfg: RewardConfig) -> CMEReward:

@@ -17,8 +17,9 @@ its last number word up to ten: "twice" -> 2); otherwise the last non-empty line
 leading "Answer:" / "The answer is" and a final period.
 
 Result: value = the dataset's score in [0, 1] (its partial credit), `correct` only at full score (1.0), parts
-`score`, `correct`, `format` (1.0 when the answer was in tags) and `answer_fallback`. A scorer that raises is a
-reward failure (counted in `reward/errors`, never a quiet 0).
+`score`, `correct`, `format` (1.0 when the answer was in tags) and `answer_fallback`, and the answer scored in
+`info["answer"]` (`rollwise.rewards.verifiers.answer_info`; absent when there was none). A scorer that raises is
+a reward failure (counted in `reward/errors`, never a quiet 0).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import sys
 from functools import lru_cache
 from typing import Any
 
-from rollwise.rewards.verifiers import NUMBER_RE, final_number
+from rollwise.rewards.verifiers import NUMBER_RE, answer_info, final_number
 from rollwise.types import RewardResult, Sample
 
 TAG_OPEN, TAG_CLOSE = "<answer>", "</answer>"
@@ -92,7 +93,7 @@ def score(sample: Sample, dataset: str) -> RewardResult:
     tagged = answer is not None and not fallback
     return RewardResult(value=value, correct=correct,
                         parts={"score": value, "correct": float(correct), "format": float(tagged),
-                               "answer_fallback": float(fallback)})
+                               "answer_fallback": float(fallback)}, info=answer_info(answer))
 
 
 def dataset_of(sample: Sample) -> str:

@@ -1,9 +1,11 @@
 """Built-in verifiers, registered in `REWARDS`: `arith`, `letters`, `math`, `gsm8k`, `exact`.
 
 Each is `fn(sample) -> RewardResult` reading `sample.response_text` and `sample.prompt.answer`, with
-value 1.0 / 0.0, parts `correct` (1.0 / 0.0) and `format` (1.0 when an answer could be extracted), and
-`correct` True / False on the result (scoring sets `sample.correct` from it; a reward never writes to the
-sample). A missing or unusable reference raises: `score_samples` counts that as an error.
+value 1.0 / 0.0, parts `correct` (1.0 / 0.0) and `format` (1.0 when an answer could be extracted), `correct`
+True / False on the result (scoring sets `sample.correct` from it; a reward never writes to the sample), and
+`info["answer"]`: the answer extracted from the response (`answer_info`; absent when none was), which
+`rollwise.metrics.collapse` counts to see a policy give one answer to every prompt. A missing or unusable
+reference raises: `score_samples` counts that as an error.
 """
 
 from __future__ import annotations
@@ -74,11 +76,24 @@ def reference(sample: Sample) -> str:
     return str(answer).strip()
 
 
-def verdict(sample: Sample, correct: bool, found: bool) -> RewardResult:
-    """The 1.0 / 0.0 result with `correct` set (the sample is left as it is; scoring applies the result)."""
+ANSWER_MAX_CHARS = 100  # an extracted answer longer than this is cut (it is a label for counting, not the text)
+
+
+def answer_info(answer: object) -> dict[str, str]:
+    """`{"answer": text}`, the extracted answer stripped, whitespace collapsed, at most ANSWER_MAX_CHARS
+    characters ('  1,080 \\n' -> '1,080'); `{}` when nothing was extracted (None or blank)."""
+    if answer is None:
+        return {}
+    text = " ".join(str(answer).split())[:ANSWER_MAX_CHARS]
+    return {"answer": text} if text else {}
+
+
+def verdict(sample: Sample, correct: bool, found: bool, answer: object = None) -> RewardResult:
+    """The 1.0 / 0.0 result with `correct` set and the extracted `answer` in `info` (`answer_info`); the sample
+    is left as it is (scoring applies the result)."""
     value = 1.0 if correct else 0.0
     return RewardResult(value=value, parts={"correct": value, "format": 1.0 if found else 0.0},
-                        correct=bool(correct))
+                        correct=bool(correct), info=answer_info(answer))
 
 
 def integer_reward(sample: Sample) -> RewardResult:
@@ -87,8 +102,9 @@ def integer_reward(sample: Sample) -> RewardResult:
     gold = as_integer(ref.replace(",", "")) if NUMBER_RE.fullmatch(ref) else None
     if gold is None:
         raise ValueError(f"reference answer {ref!r} of prompt {sample.prompt.source!r} is not an integer")
-    pred = final_integer(sample.response_text)
-    return verdict(sample, pred == gold, found=pred is not None)
+    number = final_number(sample.response_text)
+    pred = as_integer(number)
+    return verdict(sample, pred == gold, found=pred is not None, answer=number if pred is None else pred)
 
 
 REWARDS.register("arith")(integer_reward)
@@ -113,7 +129,7 @@ def _as_latex(ref: str) -> str:
 
 
 def numeric_match(ref: str, text: str) -> tuple[bool, bool]:
-    """Fallback: (correct, found) comparing the last number of `text` with a numeric reference."""
+    """Fallback: (correct, found) comparing the last number of `text` (`final_number`) with a numeric reference."""
     pred = final_number(text)
     try:
         gold = float(ref.replace(",", ""))
@@ -122,6 +138,12 @@ def numeric_match(ref: str, text: str) -> tuple[bool, bool]:
     if pred is None:
         return False, False
     return math.isclose(float(pred), gold, rel_tol=REL_TOL), True
+
+
+def parsed_answer(parsed: list) -> str:
+    """The answer math-verify extracted: the string it parsed (`[1/2, '\\frac{1}{2}']` -> '\\frac{1}{2}'), else
+    its expression as text."""
+    return str(parsed[1] if len(parsed) > 1 else parsed[0])
 
 
 GSM8K_MARK = "####"  # GSM8K's reference solutions end with "#### <answer>"
@@ -155,9 +177,10 @@ def math_answer(sample: Sample, ref: str) -> RewardResult:
     gold = parse(_as_latex(ref), parsing_timeout=limit)
     pred = parse(text, parsing_timeout=limit)
     if gold and pred:
-        return verdict(sample, bool(verify(gold, pred, timeout_seconds=limit)), found=True)
+        return verdict(sample, bool(verify(gold, pred, timeout_seconds=limit)), found=True,
+                       answer=parsed_answer(pred))
     correct, found = numeric_match(ref, text)
-    return verdict(sample, correct, found)
+    return verdict(sample, correct, found, answer=parsed_answer(pred) if pred else final_number(text))
 
 
 @REWARDS.register("math")
@@ -186,4 +209,4 @@ def exact_reward(sample: Sample) -> RewardResult:
     """Stripped string equality of the response and the reference."""
     ref = reference(sample)
     text = sample.response_text.strip()
-    return verdict(sample, text == ref, found=bool(text))
+    return verdict(sample, text == ref, found=bool(text), answer=text)

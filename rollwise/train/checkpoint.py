@@ -4,8 +4,9 @@
 run_dir/checkpoints/step-N/    config.json, model.safetensors, generation_config.json, tokenizer files,
                                trainer_state.pt, COMPLETE (written last: file names and sizes)
 run_dir/checkpoints/latest     the name of the newest complete checkpoint (written last, atomically)
-run_dir/checkpoints/best       the name of the checkpoint of the best evaluation (train.early_stop; written
-                               atomically once that checkpoint is complete, never pruned)
+run_dir/checkpoints/best       the name of the checkpoint of the best evaluation (whenever the run evaluates,
+                               rollwise.early_stop; written atomically once that checkpoint is complete, never
+                               pruned)
 ```
 A checkpoint is written into `.step-N.tmp-<pid>`, fsynced, marked COMPLETE and renamed into place; only then
 is `latest` replaced. A SIGKILL at any moment leaves the previous checkpoints and `latest` intact; the temp
@@ -147,7 +148,8 @@ def mark_best(run_dir: Path, step: int) -> Path:
 
 
 def best_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint `checkpoints/best` names when it is complete; None without one (no train.early_stop)."""
+    """The checkpoint `checkpoints/best` names when it is complete; None without one (no evaluation, or
+    train.keep_best = false)."""
     root = Path(run_dir) / CHECKPOINTS
     named = _read_pointer(root, BEST)
     return root / named if named is not None and is_complete(root / named) else None

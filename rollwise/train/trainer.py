@@ -22,6 +22,7 @@ from rollwise.config import AlgoConfig, TrainConfig
 from rollwise.hardware import bf16_is_native
 from rollwise.train.accumulator import Accumulator as _Accumulator
 from rollwise.train.activation_checkpointing import configure_checkpointing
+from rollwise.train.compile_layers import compile_layers
 from rollwise.train.batching import MicroBatch, collate, split_by_tokens
 from rollwise.train.critic import ValueHead
 from rollwise.train.logprobs import response_hidden, token_logprobs
@@ -102,6 +103,7 @@ class Trainer:
             if algo.is_token_advantage(algo_cfg.advantage) else None
         self.trainable = freeze_for_trainer(self, model, train_cfg.trainable)  # a layer subset: the rest frozen
         self.gradient_checkpointing = configure_checkpointing(self)  # train.gradient_checkpointing, resolved
+        self.compiled_layers = compile_layers(model) if train_cfg.compile else 0  # train.compile
         params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
         if self.value_head is not None:  # a fresh layer: its own, larger learning rate
             params.append({"params": list(self.value_head.parameters()), "lr": algo_cfg.value_lr})
