@@ -121,8 +121,8 @@ def analyse(spec, run_dirs: list[Path], args) -> dict:
     out_dir = args.runs_dir / "answers"
     out_dir.mkdir(exist_ok=True)
     eval_args = [a for a in task_overrides(spec) if not a.startswith(("data.task=", "rollout.max_new_tokens="))]
-    targets = {"start": ["--model", "smollm2-135m-instruct", "--task", f"reasoning_gym:{name}",
-                         "--max-new-tokens", str(spec[4]), *eval_args]}
+    targets = {"start": ["--model", "smollm2-135m-instruct", "--task", f"reasoning_gym:{name}",  # as the runs: auto
+                         "--max-new-tokens", str(spec[4]), "model.dtype=auto", *eval_args]}
     targets.update({d.name: ["--model", str(d), "--best"] for d in run_dirs})
     found = {}
     for label, target in targets.items():
@@ -140,16 +140,19 @@ def split_by_majority(answers_file: Path) -> dict:
     refs = [str(r["answer"]).strip().lower() for r in greedy]
     majority = max(set(refs), key=refs.count)
     others = [r for r, ref in zip(greedy, refs) if ref != majority]
-    said = [_last_token(r["final"]) == majority for r in greedy]
+    said = [_answer(r["final"], ref) == majority for r, ref in zip(greedy, refs)]
     return {"n": len(greedy), "accuracy": sum(r["correct"] for r in greedy) / len(greedy), "majority": majority,
             "majority_share_of_references": refs.count(majority) / len(refs),
             "accuracy_not_majority": sum(r["correct"] for r in others) / max(1, len(others)),
             "replies_majority_frac": sum(said) / len(said)}
 
 
-def _last_token(text: str) -> str:
-    words = str(text).strip().lower().rstrip(".").split()
-    return words[-1].strip(".,:;!\"'") if words else ""
+def _answer(text: str, reference: str) -> str:
+    """The answer the dataset's reward reads from a reply (its tag, else its lenient fallback), lowercased."""
+    from rollwise.rewards.reasoning_gym import extract_answer
+
+    answer, _ = extract_answer(str(text), reference)
+    return str(answer).strip().lower() if answer is not None else ""
 
 
 def table(results: dict) -> str:

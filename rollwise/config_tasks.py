@@ -113,5 +113,7 @@ def _notes(before: str, after: str, dropped: list[str], own: dict, tuned: dict) 
     if tuned:
         parts.append("a new task's settings against collapse onto its most common answer: "
                      + ", ".join(f"{s}.{k} = {v!r}" for (s, k), v in tuned.items()))
+    if not parts:  # every task-bound and learning key came from the command line: nothing was replaced
+        return []
     return [f"data.task {after!r} is not the recipe's task ({before!r}): " + "; ".join(parts)
             + " (a key set on the command line is kept)"]

@@ -230,16 +230,14 @@ def test_vllm_kwargs_build_the_real_speculative_config(tiny_model_dir):
     from vllm.config import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from rollwise.generate.vllm_engine import VLLMEngine
-    from rollwise.generate.vllm_options import vllm_option_errors
+    from rollwise.generate.vllm_options import llm_kwargs, vllm_option_errors
 
     assert vllm_option_errors("vllm", {"speculative_config": dict(VLLM_SPEC), "quantization": "fp8"}) == []
     [line] = vllm_option_errors("vllm", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                                                 "lookahead": 4}})
     assert "unknown keys lookahead (valid in the installed vLLM: " in line and "prompt_lookup_max" in line
-    engine = object.__new__(VLLMEngine)
-    engine.model_dir = tiny_model_dir
-    kwargs = engine._llm_kwargs(torch.float32, 8, 0, 256, {"speculative_config": dict(VLLM_SPEC)})
+    kwargs, _ = llm_kwargs(tiny_model_dir, torch.float32, 8, 0, 256, {"speculative_config": dict(VLLM_SPEC)},
+                           cuda=False, in_process=False)
     assert kwargs["speculative_config"] == VLLM_SPEC
     names = {"model", "tokenizer", "dtype", "seed", "max_num_seqs", "max_model_len", "speculative_config"}
     config = EngineArgs(**{k: v for k, v in kwargs.items() if k in names}).create_engine_config()

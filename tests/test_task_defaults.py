@@ -33,9 +33,8 @@ def test_another_task_drops_the_recipes_prompt_and_takes_the_new_task_settings()
 
 
 def test_keys_on_the_command_line_always_win():
-    cfg = load_config(QUICKSTART, ["data.task=letters", "data.system_prompt=Count.", "train.lr=3e-5",
-                                   "algo.kl_coef=0.0"])
-    assert cfg.data.system_prompt == "Count." and cfg.train.lr == 3e-5 and cfg.algo.kl_coef == 0.0
+    cfg = load_config(QUICKSTART, ["data.task=letters", "train.lr=3e-5", "algo.kl_coef=0.0"])
+    assert cfg.train.lr == 3e-5 and cfg.algo.kl_coef == 0.0 and cfg.data.system_prompt == LETTERS_SYSTEM
     (note,) = cfg._load_notes
     assert "train.lr" not in note and "kl_coef" not in note  # nothing of the user's is reported as replaced
 
@@ -74,3 +73,9 @@ def test_the_cli_says_which_keys_were_replaced(tmp_path):
     assert "rollwise: data.task 'letters' is not the recipe's task ('arith')" in done.stderr
     resolved = tomllib.loads(done.stdout)  # the memory estimate follows as TOML comments
     assert resolved["data"]["system_prompt"] == LETTERS_SYSTEM and resolved["algo"]["kl_coef"] == 0.02
+
+
+def test_nothing_is_said_when_the_command_line_sets_every_replaced_key():
+    cfg = load_config(QUICKSTART, ["data.task=letters", "data.system_prompt=Count.", "train.lr=3e-5",
+                                   "algo.kl_coef=0.0"])
+    assert cfg._load_notes == []
