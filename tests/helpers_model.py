@@ -84,3 +84,9 @@ def tiny_arch(name: str, vocab_size: int, seed: int = 0, **overrides):
                 if module_name.endswith("bias") or "norm" in module_name:
                     param.add_(torch.randn(param.shape) * 0.2)
     return model.eval()
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute difference of two equal-length, non-empty sequences of numbers (log-probs)."""
+    assert len(a) == len(b) and len(a) > 0
+    return max(abs(x - y) for x, y in zip(a, b))

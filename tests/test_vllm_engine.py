@@ -17,7 +17,7 @@ psutil = pytest.importorskip("psutil")
 
 import torch  # noqa: E402
 
-from helpers_model import tiny_llama  # noqa: E402
+from helpers_model import max_diff, tiny_llama  # noqa: E402
 from helpers_tokenizer import tiny_tokenizer  # noqa: E402
 from rollwise.generate.torch_engine import TorchEngine  # noqa: E402
 from rollwise.generate.vllm_engine import EngineStateError, VLLMEngine  # noqa: E402
@@ -69,11 +69,6 @@ def hf_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor
 def token_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> list[float]:
     lp = hf_logprobs(model, prompt + response, temperature)
     return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(response)]
-
-
-def max_diff(a, b) -> float:
-    assert len(a) == len(b) and len(a) > 0
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")

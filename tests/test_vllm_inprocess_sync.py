@@ -16,7 +16,7 @@ vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from helpers_model import tiny_llama  # noqa: E402
+from helpers_model import max_diff, tiny_llama  # noqa: E402
 from helpers_tokenizer import tiny_tokenizer  # noqa: E402
 from rollwise.generate import vllm_inprocess  # noqa: E402
 from rollwise.generate.torch_engine import TorchEngine  # noqa: E402
@@ -41,11 +41,6 @@ def hf_token_logprobs(model, ids: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
-
-
-def max_diff(a, b) -> float:
-    assert len(a) == len(b) and len(a) > 0
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
