@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollwise.config import SECRET_MASK, Config, ConfigError, StageConfig, secret_keys
-from rollwise.config_tasks import switch_task
+from rollwise.config_tasks import merge_overrides, switch_task
 
 
 def valid_keys(section: str | None = None) -> list[str]:
@@ -115,17 +115,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for override in overrides or []:
         apply_override(given, override)
     # a task other than the recipe's: the recipe's task-bound keys stay behind (rollwise.config_tasks)
-    data, notes = switch_task(data, given) if path is not None else (_merged(data, given), [])
+    data, notes = switch_task(data, given) if path is not None else (merge_overrides(data, given), [])
     try:
         cfg = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, where)) from exc
     cfg._load_notes = notes
     return cfg
-
-
-def _merged(data: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    for sec, body in given.items():
-        data.setdefault(sec, {}).update(body)
-    return data
-

@@ -65,7 +65,7 @@ def task_defaults(task: str) -> dict[tuple[str, str], Any]:
 def switch_task(recipe: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The recipe dict with the command line's `overrides` applied, task-aware (module docstring), and the
     notes on what was replaced (empty when the task is the recipe's). Neither argument is changed."""
-    merged = _merge(recipe, overrides)
+    merged = merge_overrides(recipe, overrides)
     before, after = task_identity(recipe), task_identity(merged)
     if before == after or not _names_task(recipe, overrides):
         return merged, []
@@ -93,7 +93,8 @@ def _names_task(recipe: dict[str, Any], overrides: dict[str, Any]) -> bool:
     return "task" in section or ("path" in section and not (recipe.get("data") or {}).get("path"))
 
 
-def _merge(recipe: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def merge_overrides(recipe: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `recipe` with the `overrides` tables laid over it, key by key."""
     merged = copy.deepcopy(recipe)
     for sec, body in overrides.items():
         if isinstance(body, dict):
