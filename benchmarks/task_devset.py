@@ -49,6 +49,13 @@ DEVSET = [
 ]
 
 
+# settings measured against the default path (run dirs and results carry the name)
+VARIANTS = {
+    "baseline": ["train.lr=2e-5", "algo.kl_coef=0.0"],  # the demo's own, what a new task got before issue 31
+    "kl": ["algo.kl_coef=0.1"],  # 5x the new-task KL: held nearer the start (ProRL-style KL anchoring)
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1")
@@ -58,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-n", type=int, default=100)
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "devset")
     p.add_argument("--baseline", action="store_true", help="the demo's settings (lr 2e-5, KL 0) instead")
+    p.add_argument("--variant", choices=sorted(VARIANTS), help="train with these settings on top of the default "
+                   "path (collapse-resistance candidates); results in task_devset_<variant>.json")
     p.add_argument("--scan", action="store_true", help="only evaluate the starting model on each task")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--analyse", action="store_true", help="after training (or on runs already there): greedy "
@@ -83,8 +92,8 @@ def scan(spec, args) -> dict:
 
 
 def train(spec, seed: int, args) -> dict:
-    run_dir = args.runs_dir / f"{spec[0]}-s{seed}{'-baseline' if args.baseline else ''}"
-    settings = ["train.lr=2e-5", "algo.kl_coef=0.0"] if args.baseline else []
+    run_dir = args.runs_dir / f"{spec[0]}-s{seed}{suffix(args)}"
+    settings = VARIANTS[args.variant] if args.variant else []
     command = [sys.executable, "-m", "rollwise.cli", "train", *task_overrides(spec), *settings,
                f"train.seed={seed}", f"train.steps={args.steps}", f"eval.every_steps={args.eval_every}",
                f"eval.n={args.eval_n}", "run.save_every_steps=0", "run.console=false", "run.report=false",
@@ -93,7 +102,23 @@ def train(spec, seed: int, args) -> dict:
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         with open(args.runs_dir / f"{run_dir.name}.log", "w") as log:
             subprocess.run(command, check=True, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    prune(run_dir)
     return read_run(run_dir, command)
+
+
+def suffix(args) -> str:
+    """The run-dir and results-file suffix of the settings trained (`-baseline`, `-kl`, or "")."""
+    return f"-{args.variant}" if args.variant else ""
+
+
+def prune(run_dir: Path) -> None:
+    """Every checkpoint but the one `checkpoints/best` points at (about 620 MB each: 12 runs fill a disk)."""
+    from rollwise.train.checkpoint import best_checkpoint, list_checkpoints
+
+    best = best_checkpoint(run_dir)
+    for ckpt in list_checkpoints(run_dir):
+        if best is None or ckpt.resolve() != best.resolve():
+            subprocess.run(["rm", "-rf", str(ckpt)], check=True)
 
 
 def read_run(run_dir: Path, command: list[str]) -> dict:
@@ -104,8 +129,17 @@ def read_run(run_dir: Path, command: list[str]) -> dict:
     best_step, best = max(acc, key=lambda sa: (sa[1], -sa[0]))
     summary = json.loads((run_dir / "summary.json").read_text())
     last = steps[-1] if steps else {}
+    pointer = summary.get("best") or {}
+    by_step = {int(r["step"]): r for r in evals}
+    at = by_step.get(pointer.get("step"), {})
     return {"run_dir": str(run_dir), "before": acc[0][1], "best": best, "best_step": best_step,
             "final": acc[-1][1], "evals": acc, "steps": len(steps),
+            # what checkpoints/best is (rollwise.early_stop: by balanced accuracy, rollwise.metrics.prior)
+            "pointer_metric": pointer.get("metric"), "pointer_step": pointer.get("step"),
+            "pointer_accuracy": at.get("eval/greedy_accuracy"),
+            "balanced": [(int(r["step"]), r.get("eval/greedy_balanced_accuracy")) for r in evals],
+            "reply_mode_frac": [(int(r["step"]), r.get("eval/greedy_answer_mode_frac")) for r in evals],
+            "reference_mode_frac": evals[0].get("eval/reference_mode_frac"),
             "answer_mode_frac_last": last.get("rollout/answer_mode_frac"),
             "answer_mode_frac_first": steps[0].get("rollout/answer_mode_frac") if steps else None,
             "train_accuracy_last": last.get("reward/accuracy"),
@@ -156,19 +190,29 @@ def _answer(text: str, reference: str) -> str:
 
 
 def table(results: dict) -> str:
-    lines = ["| task | seed | greedy before | best (step) | final | answer_mode_frac first -> last | RL time |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| task | seed | greedy before | highest (step) | final | balanced before -> at checkpoints/best (step) "
+             "-> final | greedy acc at checkpoints/best | held-out replies on one answer, before -> final "
+             "(references) | answer_mode_frac first -> last | RL time |", "|---|" * 10]
     for name, per_seed in results.items():
         for seed, r in per_seed.items():
             mode = (f"{r['answer_mode_frac_first']:.2f} -> {r['answer_mode_frac_last']:.2f}"
                     if r.get("answer_mode_frac_last") is not None else "-")
+            bal, pointer, share = r.get("balanced") or [], r.get("pointer_step"), r.get("reply_mode_frac") or []
+            at = dict(bal).get(pointer)
+            balanced = (f"{bal[0][1]:.2f} -> {at:.2f} ({pointer}) -> {bal[-1][1]:.2f}"
+                        if bal and at is not None else "-")
+            replies = (f"{share[0][1]:.2f} -> {share[-1][1]:.2f} ({r['reference_mode_frac']:.2f})"
+                       if share and share[0][1] is not None else "-")
+            point_acc = f"{r['pointer_accuracy']:.2f}" if r.get("pointer_accuracy") is not None else "-"
             lines.append(f"| {name} | {seed} | {r['before']:.2f} | {r['best']:.2f} ({r['best_step']}) | "
-                         f"{r['final']:.2f} | {mode} | {r['rl_wall_s']:.0f} s |")
+                         f"{r['final']:.2f} | {balanced} | {point_acc} | {replies} | {mode} | {r['rl_wall_s']:.0f} s |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.baseline:
+        args.variant = "baseline"
     by_name = {t[0]: t for t in DEVSET}
     unknown = [name for name in args.tasks.split(",") if name not in by_name]
     if unknown:
@@ -190,20 +234,20 @@ def main(argv=None) -> int:
 
     if args.analyse:
         seeds = [int(x) for x in args.seeds.split(",")]
-        suffix = "-baseline" if args.baseline else ""
-        analysis = {spec[0]: analyse(spec, [args.runs_dir / f"{spec[0]}-s{seed}{suffix}" for seed in seeds], args)
+        analysis = {spec[0]: analyse(spec, [args.runs_dir / f"{spec[0]}-s{seed}{suffix(args)}" for seed in seeds],
+                                     args)
                     for spec in chosen}
         for name, per in analysis.items():
             for label, a in per.items():
                 print(f"{name} {label}: greedy {a['accuracy']:.2f}, on the {a['n'] - round(a['majority_share_of_references'] * a['n'])} "
                       f"items whose answer is not {a['majority']!r}: {a['accuracy_not_majority']:.2f}; replies "
                       f"{a['majority']!r}: {a['replies_majority_frac']:.2f}", flush=True)
-    path = REPO / "benchmarks" / "results" / ("task_devset_baseline.json" if args.baseline else "task_devset.json")
+    path = REPO / "benchmarks" / "results" / f"task_devset{suffix(args).replace('-', '_')}.json"
     earlier = json.loads(path.read_text())["results"] if path.exists() else {}
     for name, per_seed in results.items():  # seeds run in separate invocations land in one file
         earlier.setdefault(name, {}).update({str(seed): r for seed, r in per_seed.items()})
     out = {"results": earlier, **({"analysis": analysis} if args.analyse else {}), "cpu": cpu_model_name(), "threads": os.environ.get("ROLLWISE_THREADS"),
-           "baseline": args.baseline, "steps": args.steps, "wall_s_last_invocation": time.time() - start}
+           "variant": args.variant, "settings": VARIANTS.get(args.variant or "", []), "steps": args.steps, "wall_s_last_invocation": time.time() - start}
     path.write_text(json.dumps(out, indent=1))
     print(table(earlier))
     return 0

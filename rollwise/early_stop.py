@@ -4,9 +4,11 @@ RL on a small model often rises and then collapses (reward hacking, entropy coll
 ends on its last step can hand back a worse model than the one it started with. So whenever a run evaluates
 (`eval.n > 0`), every evaluation (at step 0, every `eval.every_steps`, and the final one) is observed by a rule:
 
-- by default (`train.keep_best = true`, no `train.early_stop`): held-out accuracy, `eval/greedy_accuracy` when the
-  evaluation writes it (`eval.greedy`), else `eval/sampled_accuracy`; higher is better, ties keep the earlier
-  step, and the run never stops on it;
+- by default (`train.keep_best = true`, no `train.early_stop`): held-out balanced accuracy,
+  `eval/greedy_balanced_accuracy` when the evaluation decodes greedily (`eval.greedy`), else
+  `eval/sampled_balanced_accuracy` (rollwise.metrics.prior: accuracy averaged over the distinct reference answers,
+  which a policy answering the task's most common answer to everything cannot raise; equal to plain accuracy when
+  every reference is distinct); higher is better, ties keep the earlier step, and the run never stops on it;
 - with `train.early_stop`: its metric, `mode`, `min_delta` and `patience`.
 
 A new best (`mode = "max"`: above the best by more than `min_delta`; `"min"`: below it) saves the checkpoint of
@@ -42,7 +44,7 @@ from rollwise.metrics.noise import accuracy_noise, below_by_more_than_noise
 from rollwise.metrics.sinks import read_metrics, row_kind
 from rollwise.train.checkpoint import BEST, CHECKPOINTS, is_complete, mark_best
 
-_ACCURACY = re.compile(r"(greedy_|sampled_)?accuracy|(pass|avg)@\d+")  # the last part of an accuracy's key
+_ACCURACY = re.compile(r"(greedy_|sampled_)?(balanced_)?accuracy|(pass|avg)@\d+")  # the last part of an accuracy's key
 
 
 class EarlyStopError(UserError, KeyError):
@@ -71,13 +73,13 @@ def early_stop_errors(cfg: Config) -> list[str]:
 
 def best_rule(cfg: Config) -> EarlyStopConfig | None:
     """The rule that picks a run's best evaluation: `train.early_stop` when set; else, when the run evaluates
-    (`eval.n > 0`) and `train.keep_best`, the highest held-out accuracy (greedy when the evaluation writes it),
-    never stopping; else None (no best is kept)."""
+    (`eval.n > 0`) and `train.keep_best`, the highest held-out balanced accuracy (greedy when the evaluation
+    writes it), never stopping; else None (no best is kept)."""
     if cfg.train.early_stop is not None:
         return cfg.train.early_stop
     if cfg.eval.n == 0 or not cfg.train.keep_best:
         return None
-    metric = "eval/greedy_accuracy" if cfg.eval.greedy else "eval/sampled_accuracy"
+    metric = "eval/greedy_balanced_accuracy" if cfg.eval.greedy else "eval/sampled_balanced_accuracy"
     return EarlyStopConfig(metric=metric, mode="max", patience=0, min_delta=0.0)
 
 
@@ -106,6 +108,7 @@ class EarlyStop:
     saved_step: int | None = None
     stopped_at: int | None = None
     last_row: dict[str, Any] | None = field(default=None, repr=False)
+    best_row: dict[str, Any] | None = field(default=None, repr=False)
 
     @classmethod
     def for_run(cls, cfg: Config, run_dir: Path) -> "EarlyStop":
@@ -177,6 +180,7 @@ class EarlyStop:
         usable = isinstance(value, (int, float)) and math.isfinite(value)  # None: every reward failed
         if usable and self._better(float(value)):
             self.best_value, self.best_step, self.bad_evals = float(value), int(row["step"]), 0
+            self.best_row = row
             return True
         self.bad_evals += 1
         return False
@@ -208,7 +212,15 @@ class EarlyStop:
         if self.stopped_at is not None:
             return (f"rollwise: early stop after step {step}: {metric} has not improved on {self.best_value:.4g} "
                     f"(step {self.best_step}) for {self.bad_evals} evaluations; best checkpoint {where}")
-        return f"rollwise: best {metric} {self.best_value:.4g} at step {self.best_step}: {where}"
+        return f"rollwise: best {metric} {self.best_value:.4g}{self._plain()} at step {self.best_step}: {where}"
+
+    def _plain(self) -> str:
+        """The plain accuracy beside a best balanced one (` (greedy accuracy 0.54)`), else ""."""
+        plain = self.cfg.metric.replace("balanced_", "")
+        value = (self.best_row or {}).get(plain)
+        if plain == self.cfg.metric or not isinstance(value, (int, float)):
+            return ""
+        return f" ({plain.removeprefix('eval/').replace('_', ' ')} {value:.4g})"
 
     def summary(self) -> dict[str, Any]:
         """For summary.json's `early_stop`: the metric, best step and value, and whether the run stopped early."""
@@ -229,6 +241,7 @@ class EarlyStop:
         pointer = self.run_dir / CHECKPOINTS / BEST
         return {
             "metric": self.cfg.metric, "step": self.best_step, "value": self.best_value,
+            "plain_accuracy": (self.best_row or {}).get(self.cfg.metric.replace("balanced_", "")),
             "final_step": final.get("step"), "final_value": value if usable else None,
             "noise": accuracy_noise(self.best_value, n) if judged else None, "n": n,
             "below_best": judged and usable and below_by_more_than_noise(value, self.best_value, n),

@@ -13,15 +13,17 @@ from itertools import count
 
 from rollwise.generate.base import Engine
 from rollwise.generate.groups import make_groups, new_groups
+from rollwise.metrics.prior import prior_metrics, reference_mode_frac
 from rollwise.rewards import DEFAULT_TIMEOUT_S, score_samples
 from rollwise.types import GenerationRequest, Prompt, Sample, SamplingParams, Status
 
 EVAL_SEED = 1234  # evaluation samples from its own stream, so it never shifts training's RNG
 # the per-mode keys of an eval row (besides pass@k, avg@K and the episode keys)
 SAMPLED_KEYS = ("eval/sampled_accuracy", "eval/response_len_mean", "eval/truncated_frac", "eval/reward_errors",
-                "eval/n")
+                "eval/n", "eval/sampled_balanced_accuracy", "eval/sampled_answer_mode_frac",
+                "eval/reference_mode_frac")
 GREEDY_KEYS = ("eval/greedy_accuracy", "eval/greedy_response_len_mean", "eval/greedy_truncated_frac",
-               "eval/greedy_reward_errors")
+               "eval/greedy_reward_errors", "eval/greedy_balanced_accuracy", "eval/greedy_answer_mode_frac")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -93,6 +95,9 @@ def evaluate(
     its environment, and `max_new_tokens` bounds one turn. Returns `eval/*` metrics:
     `eval/sampled_accuracy` (over all k x n sampled responses), `eval/greedy_accuracy`, `eval/response_len_mean`,
     `eval/greedy_response_len_mean`, `eval/n`, `eval/reward_errors` (+ `eval/<mode>_episode/*` for episodes);
+    what a constant answer cannot buy (rollwise.metrics.prior): `eval/<mode>_balanced_accuracy` (accuracy
+    averaged over the distinct reference answers), `eval/<mode>_answer_mode_frac` / `_answer_mode` (the replies'
+    most common answer and its share) and `eval/reference_mode_frac` (the references' own most common share);
     with k > 1 also `eval/pass@j` (j in `pass_ks(k)`) and `eval/avg@k`; with prompts of more than one
     `Prompt.origin`, the accuracies, pass@j, avg@k and n again as `eval/<origin>/...`.
     An accuracy is None when every reward of that mode failed (the errors are counted, never scored 0).
@@ -103,7 +108,8 @@ def evaluate(
     """
     if k < 1:
         raise ValueError(f"eval.k must be at least 1, got {k}")
-    out: dict[str, float] = {"eval/n": float(len(prompts))}
+    out: dict[str, float] = {"eval/n": float(len(prompts)),
+                             "eval/reference_mode_frac": reference_mode_frac(p for p, _ in prompts)}
     modes = [("sampled", temperature, k)] + ([("greedy", 0.0, 1)] if greedy else [])
     base = SamplingParams(max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, stop=tuple(stop))
     per_mode = _episode_samples(engine, prompts, modes, base, episodes) if episodes is not None \
@@ -118,6 +124,7 @@ def evaluate(
         out[f"{prefix}response_len_mean"] = sum(len(s.response_ids) for s in samples) / n
         out[f"{prefix}truncated_frac"] = sum(s.status.value == "truncated" for s in samples) / n
         out[f"{prefix}reward_errors"] = metrics.get("reward/errors", 0.0)
+        out.update(prior_metrics(groups, label))
         if n_samples > 1:
             out.update(correctness_metrics(groups, n_samples))
         for origin, subset in _by_origin(groups).items():

@@ -117,6 +117,7 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         "sampled_accuracy": metrics["eval/sampled_accuracy"],
         **pass_figures(metrics, "eval/"),
         "greedy_accuracy": metrics.get("eval/greedy_accuracy"),
+        **{key.removeprefix("eval/"): metrics.get(key) for key in PRIOR_KEYS if key in metrics},
         "response_len_mean": metrics["eval/response_len_mean"],
         "greedy_response_len_mean": metrics.get("eval/greedy_response_len_mean"),
         **episode_keys,
@@ -127,6 +128,12 @@ def run_eval_command(model: str, task: str | None, n: int, temperature: float, m
         **used,
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+# what a constant answer cannot buy (rollwise.metrics.prior), in `rollwise eval`'s JSON
+PRIOR_KEYS = ("eval/sampled_balanced_accuracy", "eval/greedy_balanced_accuracy", "eval/reference_mode_frac",
+              "eval/sampled_answer_mode_frac", "eval/sampled_answer_mode", "eval/greedy_answer_mode_frac",
+              "eval/greedy_answer_mode")
 
 
 def eval_config(recipe: Path | None, task: str | None, data: str | None, overrides: list[str], device: str | None,

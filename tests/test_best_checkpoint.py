@@ -22,7 +22,7 @@ from rollwise.metrics.console import summary_table
 from rollwise.metrics.noise import accuracy_noise
 from rollwise.train.checkpoint import best_checkpoint, is_complete, list_checkpoints, save_checkpoint
 
-METRIC = "eval/greedy_accuracy"
+METRIC = "eval/greedy_balanced_accuracy"  # the default rule (rollwise.metrics.prior)
 
 
 def _train(model_dir, run_dir, **extra):
@@ -55,18 +55,18 @@ def test_a_run_that_ends_below_its_best_keeps_it_and_says_so(tmp_path, tiny_mode
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-2", "step-4"]
 
     noise = accuracy_noise(1.0, 16)
-    line = (f"rollwise: the final greedy accuracy {evals[4]:.3f} (step 4) is below the best 1.000 (step 2) by more "
+    line = (f"rollwise: the final greedy balanced accuracy {evals[4]:.3f} (step 4) is below the best 1.000 (step 2) by more "
             f"than its noise (±{noise:.3f} on 16 prompts); the best checkpoint is {run_dir}/checkpoints/step-2 "
             f"(checkpoints/best): rollwise eval --model {run_dir} --best (serve it: rollwise serve --model "
             f"{run_dir}/checkpoints/best)")
     assert line in result.output.splitlines()[-3:]  # among the run's last lines
     best = _summary(run_dir)["best"]
-    assert best == {"metric": METRIC, "step": 2, "value": 1.0, "final_step": 4, "final_value": evals[4],
+    assert best == {"metric": METRIC, "step": 2, "value": 1.0, "plain_accuracy": 1.0, "final_step": 4, "final_value": evals[4],
                     "noise": noise, "n": 16, "below_best": True, "checkpoint": str(run_dir / "checkpoints" / "step-2"),
                     "command": f"rollwise eval --model {run_dir} --best",
                     "serve_command": f"rollwise serve --model {run_dir}/checkpoints/best"}
     assert "early_stop" not in _summary(run_dir)
-    assert "best greedy accuracy" in result.output and f"rollwise eval --model {run_dir} --best" in result.output
+    assert "best greedy balanced accuracy" in result.output and f"rollwise eval --model {run_dir} --best" in result.output
     report = (run_dir / "report.html").read_text()
     assert "Best checkpoint" in report and f"rollwise eval --model {run_dir} --best" in report
 
@@ -79,7 +79,7 @@ def test_a_run_that_ends_below_its_best_keeps_it_and_says_so(tmp_path, tiny_mode
 def test_a_run_that_ends_at_its_best_names_it_in_one_line(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     result = _train(tiny_model_dir, run_dir, **{"train.steps": 2})
-    line = f"rollwise: best {METRIC} 1 at step 2: {run_dir}/checkpoints/step-2 (checkpoints/best)"
+    line = f"rollwise: best {METRIC} 1 (greedy accuracy 1) at step 2: {run_dir}/checkpoints/step-2 (checkpoints/best)"
     assert line in result.output.splitlines()[-3:]
     best = _summary(run_dir)["best"]
     assert best["step"] == 2 and best["final_value"] == best["value"] == 1.0 and best["below_best"] is False
@@ -147,11 +147,11 @@ def test_within_noise_ties_and_the_summary_table(tmp_path, tiny_model_dir):
     assert best["below_best"] is False and early.lines(15) == [early.line(15)]
     early.observe({"step": 20, "kind": "eval", METRIC: 0.45, "eval/n": 200.0}, save=lambda: None)
     best = early.best()
-    assert best["below_best"] is True and early.lines(20)[0].startswith("rollwise: the final greedy accuracy 0.450")
+    assert best["below_best"] is True and early.lines(20)[0].startswith("rollwise: the final greedy balanced accuracy 0.450")
 
     console = Console(record=True, width=200)
     console.print(summary_table({"best": best, "run_dir": str(tmp_path)}))
     text = console.export_text()
-    assert re.search(r"best greedy accuracy\s+│\s+│\s+0\.600 at step 5", text)
+    assert re.search(r"best greedy balanced accuracy\s+│\s+│\s+0\.600 at step 5", text)
     assert "-0.150 (±0.069)" in text
     assert f"rollwise eval --model {tmp_path} --best" in " ".join(text.split())  # the caption wraps at the table's width

@@ -147,8 +147,8 @@ def test_held_out_drop_reads_sampled_accuracy_and_names_the_cause(tmp_path, caps
     watch.observe(eval_row(0, 1.0, n=16, greedy=False))  # noise at 1.0 on 16 prompts: 1/16
     watch.observe(train_row(1, 0.95, answer="yes"))
     watch.observe(eval_row(1, 0.5, n=16, greedy=False))
-    assert watch.observe(eval_row(2, None, greedy=False)) == {"collapse/eval_drop_alarm": 0.0} and watch.below == 1
-    assert watch.observe(eval_row(3, 0.5, n=16, greedy=False)) == {"collapse/eval_drop_alarm": 1.0}
+    assert watch.observe(eval_row(2, None, greedy=False)) == {"collapse/eval_drop_alarm": 0.0, "collapse/eval_answer_alarm": 0.0} and watch.below == 1
+    assert watch.observe(eval_row(3, 0.5, n=16, greedy=False)) == {"collapse/eval_drop_alarm": 1.0, "collapse/eval_answer_alarm": 0.0}
     line = watch.summary()[-1]
     assert "eval/sampled_accuracy 0.500 is below its best 1.000 (step 0)" in line and "±0.062 on 16" in line
     assert "likely cause: answer collapse (the last step gave 'yes' as 95% of its answers)" in line
@@ -198,10 +198,15 @@ def test_train_names_an_answer_collapse(train):
     steps = [r for r in rows if r["kind"] == "train"]
     assert [(r["rollout/answer_mode_frac"], r["rollout/answer_mode"], r["collapse/answer_alarm"]) for r in steps] \
         == [(1.0, "1", 1.0), (1.0, "1", 1.0)]
-    [line] = [ln for ln in output.splitlines() if "answer collapse" in ln]
+    [held_out, line] = [ln for ln in output.splitlines() if "answer collapse" in ln]
     assert line.startswith("rollwise: step 1: answer collapse: 100% of this step's responses answer '1' while 0%")
-    assert summary["warnings"] == [line]
-    assert all(r["collapse/eval_drop_alarm"] == 0.0 for r in rows if r["kind"] == "eval")
+    # the held-out replies answer "1" too, at step 0 already, while the arithmetic references are spread out
+    assert held_out.startswith("rollwise: step 0: held-out answer collapse: 100% of the held-out greedy replies "
+                               "answer '1', while only ") and "the starting model already gives one answer" in held_out
+    assert summary["warnings"] == [held_out, line]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert all(r["collapse/eval_drop_alarm"] == 0.0 and r["collapse/eval_answer_alarm"] == 1.0 for r in evals)
+    assert all(r["eval/greedy_answer_mode_frac"] == 1.0 and r["eval/reference_mode_frac"] < 0.8 for r in evals)
 
 
 def test_train_names_a_held_out_drop(train, tmp_path):
@@ -227,9 +232,9 @@ def test_resumed_train_does_not_repeat_a_warning_that_still_holds(train, tmp_pat
     """The watch is rebuilt from metrics.jsonl: the collapse of step 1 still holds at step 2, so the resumed run
     prints nothing new, and summary.json still lists the warning of step 1."""
     first, _, _ = train(**{"reward.fn": "toy_collapse_plugins:always_one", "train.steps": 1})
-    [line] = [ln for ln in first.splitlines() if "answer collapse" in ln]
+    lines = [ln for ln in first.splitlines() if "answer collapse" in ln]
     resumed = CliRunner().invoke(app, ["train", "--resume", str(tmp_path / "run"), "train.steps=2"])
     assert resumed.exit_code == 0, resumed.output
     assert "answer collapse" not in resumed.output
     assert [r["collapse/answer_alarm"] for r in read_rows(tmp_path / "run") if r["kind"] == "train"] == [1.0, 1.0]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["warnings"] == [line]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["warnings"] == lines

@@ -14,9 +14,14 @@ to almost every letter-counting prompt): the training reward rises while held-ou
   `collapse/eval_drop_alarm` (1 while its condition holds, else 0). Each condition prints one line
   (`rollwise: step N: ...`) when it starts, and again only after it has cleared:
   a) answer collapse: `rollout/answer_mode_frac >= MODE_FRAC_ALARM` while `reward/accuracy <= ACCURACY_CEILING`;
-  b) held-out drop: the held-out accuracy (`eval/greedy_accuracy`, else `eval/sampled_accuracy`) below its best
-     so far by more than its noise (`rollwise.metrics.noise.accuracy_noise` of the best on `eval/n` prompts)
-     for DROP_EVALS evaluations in a row.
+  b) held-out drop: the held-out accuracy below its best so far by more than its noise
+     (`rollwise.metrics.noise.accuracy_noise` of the best on `eval/n` prompts) for DROP_EVALS evaluations in a
+     row; the accuracy is `eval/greedy_balanced_accuracy` (rollwise.metrics.prior: what a constant answer cannot
+     buy), else `eval/greedy_accuracy`, else their sampled forms;
+  c) held-out answer collapse: the held-out replies give one answer (`eval/greedy_answer_mode_frac`, else the
+     sampled one) at least MODE_FRAC_ALARM of the time, PRIOR_GAP or more above the share of the references
+     that have their most common answer (`eval/reference_mode_frac`): the model answers the prior, whatever
+     the training step's own share says (flag `collapse/eval_answer_alarm`).
 
 The state is a function of the run's rows: a resumed run folds its `metrics.jsonl` again (`for_run`), silently,
 so it goes on where the checkpoint left it, and `summary()` lists every warning of the run.
@@ -42,7 +47,11 @@ MODE_FRAC_ALARM = 0.9  # answer collapse: this share of the step's responses giv
 ACCURACY_CEILING = 0.8  # ... while at most this share is correct
 ENTROPY_BASELINE_STEPS = 3  # train/entropy_ratio: over the mean entropy of the run's first steps
 ENTROPY_COLLAPSE_RATIO = 0.5  # a held-out drop with entropy below this share of the baseline: entropy collapse
+PRIOR_GAP = 0.2  # held-out answer collapse: replies this much more often on one answer than the references are
 DROP_EVALS = 2  # held-out drop: evaluations in a row below the best by more than the noise
+# the held-out accuracy the drop rule compares, the first an eval row has (rollwise.metrics.prior for balanced)
+HELD_OUT_KEYS = ("eval/greedy_balanced_accuracy", "eval/greedy_accuracy", "eval/sampled_balanced_accuracy",
+                 "eval/sampled_accuracy")
 MODE_CHARS = 40  # rollout/answer_mode is cut to this many characters
 KNOBS = ("lower train.lr; algo.kl_coef > 0 (e.g. 0.02); algo.clip_high above algo.clip_low (clip-higher, e.g. "
          "0.28); control.dynamic_sampling = true; train.early_stop (stop at the peak)")
@@ -97,6 +106,7 @@ class CollapseWatch:
     below: int = 0
     answer_on: bool = False
     drop_on: bool = False
+    eval_answer_on: bool = False
     warnings: list[str] = field(default_factory=list)
 
     @classmethod
@@ -152,11 +162,11 @@ class CollapseWatch:
         return out
 
     def _observe_eval(self, row: dict[str, Any], echo: bool) -> dict[str, float]:
-        greedy = _finite(row.get("eval/greedy_accuracy")) is not None
-        key = "eval/greedy_accuracy" if greedy else "eval/sampled_accuracy"
+        out = {"collapse/eval_answer_alarm": self._eval_answer(row, echo)}
+        key = next((k for k in HELD_OUT_KEYS if _finite(row.get(k)) is not None), HELD_OUT_KEYS[-1])
         value, n = _finite(row.get(key)), int(_finite(row.get("eval/n")) or 0)
         if value is None or n <= 0:  # every reward failed, or no prompts: nothing to compare, the state stands
-            return {"collapse/eval_drop_alarm": 0.0}
+            return {**out, "collapse/eval_drop_alarm": 0.0}
         below = self.best_value is not None and below_by_more_than_noise(value, self.best_value, n)
         self.below = self.below + 1 if below else 0
         holds = self.below >= DROP_EVALS
@@ -165,7 +175,27 @@ class CollapseWatch:
         self.drop_on = holds
         if self.best_value is None or value > self.best_value:
             self.best_value, self.best_step = value, row_step(row)
-        return {"collapse/eval_drop_alarm": float(holds)}
+        return {**out, "collapse/eval_drop_alarm": float(holds)}
+
+    def _eval_answer(self, row: dict[str, Any], echo: bool) -> float:
+        """Rule c) of the module docstring on one eval row: 1.0 while it holds, else 0.0."""
+        mode = "greedy" if _finite(row.get("eval/greedy_answer_mode_frac")) is not None else "sampled"
+        share, prior = _finite(row.get(f"eval/{mode}_answer_mode_frac")), _finite(row.get("eval/reference_mode_frac"))
+        answer = str(row.get(f"eval/{mode}_answer_mode", ""))
+        holds = share is not None and prior is not None and share >= MODE_FRAC_ALARM and share - prior >= PRIOR_GAP \
+            and answer != ""  # replies without an answer are another failure (truncation, format), not a prior
+        if holds and not self.eval_answer_on:
+            where = self.run_dir if self.run_dir is not None else "RUN_DIR"
+            cause = ("the starting model already gives one answer to most prompts, so plain accuracy measures the "
+                     "prior more than the task" if row_step(row) == 0 else "the policy learned the task's majority "
+                     "answer, not the task (plain accuracy can still rise)")
+            self._warn(f"rollwise: step {row_step(row)}: held-out answer collapse: {share:.0%} of the held-out "
+                       f"{mode} replies answer {answer!r}, while only {prior:.0%} of the references share their "
+                       f"most common answer; likely cause: {cause}. The best checkpoint is chosen by balanced "
+                       f"accuracy, which a constant answer cannot raise: rollwise eval --model {where} --best. "
+                       f"Try: {KNOBS}", echo)
+        self.eval_answer_on = holds
+        return float(holds)
 
     def _drop_line(self, step: int, key: str, value: float, n: int) -> str:
         noise = accuracy_noise(self.best_value, n)

@@ -52,6 +52,8 @@ def eval_fields(row: dict[str, Any]) -> str:
     return (
         f"sampled acc {fmt(row.get('eval/sampled_accuracy'), '.3f')}"
         f" greedy acc {fmt(row.get('eval/greedy_accuracy'), '.3f')}"
+        + (f" balanced {fmt(row['eval/greedy_balanced_accuracy'], '.3f')}"
+           if row.get("eval/greedy_balanced_accuracy") is not None else "")
         + "".join(f" {key.removeprefix('eval/')} {fmt(row.get(key), '.3f')}"
                   for key in top + [k.replace("pass@", "avg@") for k in top])
         + f" len {fmt(row.get('eval/response_len_mean'), '.1f')}" + (f" n {n}" if n is not None else "")
@@ -160,6 +162,10 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_column("change", justify="right")
     _eval_row(table, "sampled accuracy", "eval/sampled_accuracy", before, after, ".3f")
     _eval_row(table, "greedy accuracy", "eval/greedy_accuracy", before, after, ".3f")
+    balanced = "eval/greedy_balanced_accuracy" if "eval/greedy_balanced_accuracy" in after else \
+        "eval/sampled_balanced_accuracy"
+    if balanced in after or balanced in before:  # rollwise.metrics.prior
+        _eval_row(table, balanced.removeprefix("eval/").replace("_", " "), balanced, before, after, ".3f")
     for key in pass_keys({**before, **after}):  # eval.k > 1
         _eval_row(table, key.removeprefix("eval/"), key, before, after, ".3f")
     avg = [k for k in {**before, **after} if k.startswith("eval/avg@")]

@@ -49,7 +49,7 @@ PLOTS = (
         "Accuracy",
         "train rollouts (line) and held-out eval (markers)",
         ("reward/accuracy",),
-        ("eval/sampled_accuracy", "eval/greedy_accuracy"),
+        ("eval/sampled_accuracy", "eval/greedy_accuracy", "eval/greedy_balanced_accuracy"),
         y_range=(0.0, 1.0),
     ),
     PlotSpec("Answers", "share of the step's responses giving its most common answer (warning at 0.9: "
