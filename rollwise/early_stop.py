@@ -8,7 +8,9 @@ ends on its last step can hand back a worse model than the one it started with. 
   `eval/greedy_balanced_accuracy` when the evaluation decodes greedily (`eval.greedy`), else
   `eval/sampled_balanced_accuracy` (rollwise.metrics.prior: accuracy averaged over the distinct reference answers,
   which a policy answering the task's most common answer to everything cannot raise; equal to plain accuracy when
-  every reference is distinct); higher is better, ties keep the earlier step, and the run never stops on it;
+  every reference is distinct); higher is better, ties keep the earlier step, an evaluation whose replies
+  collapsed onto one answer (`rollwise.metrics.collapse.held_out_collapsed`) is never the best, and the run
+  never stops on it;
 - with `train.early_stop`: its metric, `mode`, `min_delta` and `patience`.
 
 A new best (`mode = "max"`: above the best by more than `min_delta`; `"min"`: below it) saves the checkpoint of
@@ -40,6 +42,7 @@ from typing import Any, Callable
 from rollwise.config import Config, EarlyStopConfig
 from rollwise.errors import UserError
 from rollwise.evaluate import known_metric, metric_names
+from rollwise.metrics.collapse import held_out_collapsed
 from rollwise.metrics.noise import accuracy_noise, below_by_more_than_noise
 from rollwise.metrics.sinks import read_metrics, row_kind
 from rollwise.train.checkpoint import BEST, CHECKPOINTS, is_complete, mark_best
@@ -109,6 +112,7 @@ class EarlyStop:
     stopped_at: int | None = None
     last_row: dict[str, Any] | None = field(default=None, repr=False)
     best_row: dict[str, Any] | None = field(default=None, repr=False)
+    collapsed_steps: list[int] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, cfg: Config, run_dir: Path) -> "EarlyStop":
@@ -178,6 +182,9 @@ class EarlyStop:
         value = row.get(self.cfg.metric)
         self.last_row = row
         usable = isinstance(value, (int, float)) and math.isfinite(value)  # None: every reward failed
+        if usable and not self.explicit and held_out_collapsed(row):  # the default rule never keeps the prior
+            self.collapsed_steps.append(int(row["step"]))
+            usable = False
         if usable and self._better(float(value)):
             self.best_value, self.best_step, self.bad_evals = float(value), int(row["step"]), 0
             self.best_row = row
@@ -212,7 +219,11 @@ class EarlyStop:
         if self.stopped_at is not None:
             return (f"rollwise: early stop after step {step}: {metric} has not improved on {self.best_value:.4g} "
                     f"(step {self.best_step}) for {self.bad_evals} evaluations; best checkpoint {where}")
-        return f"rollwise: best {metric} {self.best_value:.4g}{self._plain()} at step {self.best_step}: {where}"
+        passed = ""
+        if self.collapsed_steps:
+            passed = (f"; steps {', '.join(map(str, self.collapsed_steps))} passed over: their held-out replies "
+                      "answer one thing (the task's prior), whatever their accuracy")
+        return f"rollwise: best {metric} {self.best_value:.4g}{self._plain()} at step {self.best_step}: {where}{passed}"
 
     def _plain(self) -> str:
         """The plain accuracy beside a best balanced one (` (greedy accuracy 0.54)`), else ""."""
@@ -242,6 +253,7 @@ class EarlyStop:
         return {
             "metric": self.cfg.metric, "step": self.best_step, "value": self.best_value,
             "plain_accuracy": (self.best_row or {}).get(self.cfg.metric.replace("balanced_", "")),
+            "passed_over_steps": list(self.collapsed_steps),  # evaluations whose replies collapsed: never the best
             "final_step": final.get("step"), "final_value": value if usable else None,
             "noise": accuracy_noise(self.best_value, n) if judged else None, "n": n,
             "below_best": judged and usable and below_by_more_than_noise(value, self.best_value, n),

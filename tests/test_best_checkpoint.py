@@ -62,7 +62,7 @@ def test_a_run_that_ends_below_its_best_keeps_it_and_says_so(tmp_path, tiny_mode
     assert line in result.output.splitlines()[-3:]  # among the run's last lines
     best = _summary(run_dir)["best"]
     assert best == {"metric": METRIC, "step": 2, "value": 1.0, "plain_accuracy": 1.0, "final_step": 4, "final_value": evals[4],
-                    "noise": noise, "n": 16, "below_best": True, "checkpoint": str(run_dir / "checkpoints" / "step-2"),
+                    "noise": noise, "n": 16, "below_best": True, "passed_over_steps": [], "checkpoint": str(run_dir / "checkpoints" / "step-2"),
                     "command": f"rollwise eval --model {run_dir} --best",
                     "serve_command": f"rollwise serve --model {run_dir}/checkpoints/best"}
     assert "early_stop" not in _summary(run_dir)

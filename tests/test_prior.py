@@ -89,10 +89,11 @@ def skewed_data(tmp_path):
     return path
 
 
-def test_train_keeps_the_skill_not_the_prior(tmp_path, tiny_model_dir, skewed_data):
-    """Through `rollwise train`: from step 1 the policy answers the majority "1", which raises plain held-out
-    accuracy and lowers balanced accuracy; checkpoints/best stays at step 0, the run says the held-out replies
-    collapsed, and summary.json's best gives both figures."""
+def test_train_never_points_at_the_prior(tmp_path, tiny_model_dir, skewed_data):
+    """Through `rollwise train`: from step 1 the policy answers the majority "1" to everything, which raises plain
+    held-out accuracy (to the references' share) and balanced accuracy too (a weak start is below a constant
+    answer's 1/2), but its replies collapsed onto one answer: checkpoints/best stays at step 0, summary.json's best
+    names the steps passed over, and the run says the held-out replies collapsed."""
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(tiny_model_dir, **{"reward.fn": "toy_collapse_plugins:majority_from_version_1",
                                                   "data.path": str(skewed_data), "data.eval_size": 8, "eval.n": 8,
@@ -101,16 +102,17 @@ def test_train_keeps_the_skill_not_the_prior(tmp_path, tiny_model_dir, skewed_da
     assert result.exit_code == 0, result.output
     evals = {r["step"]: r for r in read_rows(run_dir) if r["kind"] == "eval"}
     refs = evals[0]["eval/reference_mode_frac"]
-    assert 0.5 <= refs < 0.8
+    assert 0.5 <= refs < 0.8 and evals[0]["eval/greedy_answer_mode_frac"] < 0.9
     for step in (1, 2):  # the prior: every reply "1", plain accuracy = the references' share, balanced 1/2
         row = evals[step]
         assert row["eval/greedy_answer_mode_frac"] == 1.0 and row["eval/greedy_answer_mode"] == "1"
         assert row["eval/greedy_accuracy"] == pytest.approx(refs) and row["eval/greedy_balanced_accuracy"] == 0.5
-        assert row["eval/greedy_accuracy"] > evals[0]["eval/greedy_accuracy"]
-    assert evals[0]["eval/greedy_balanced_accuracy"] > 0.5
+        assert row["eval/greedy_balanced_accuracy"] > evals[0]["eval/greedy_balanced_accuracy"]
+        assert row["collapse/eval_answer_alarm"] == 1.0
     assert best_checkpoint(run_dir).name == "step-0"
     best = json.loads((run_dir / "summary.json").read_text())["best"]
     assert best["metric"] == "eval/greedy_balanced_accuracy" and best["step"] == 0
-    assert best["plain_accuracy"] == evals[0]["eval/greedy_accuracy"]
+    assert best["plain_accuracy"] == evals[0]["eval/greedy_accuracy"] and best["passed_over_steps"] == [1, 2]
     [line] = [ln for ln in result.output.splitlines() if "held-out answer collapse" in ln]
     assert line.startswith("rollwise: step 1: held-out answer collapse: 100% of the held-out greedy replies answer '1'")
+    assert "steps 1, 2 passed over: their held-out replies answer one thing" in result.output

@@ -23,16 +23,16 @@ def right_then_wrong(sample: Sample) -> RewardResult:
 
 
 def majority_from_version_1(sample: Sample) -> RewardResult:
-    """A model that has a skill at version 0 and answers the prior from version 1 on, on references "1" / "2":
-    version 0 answers every "2" prompt right and the "1" prompts whose question ends in an even digit (else "3");
-    version 1 on answers "1" to everything. On 6 "1" prompts (3 even) and 2 "2" prompts: version 0 plain 5/8,
-    balanced (3/6 + 2/2) / 2 = 0.75; version 1 plain 6/8, balanced (6/6 + 0/2) / 2 = 0.5."""
+    """A weak model at version 0 that answers the prior from version 1 on, on references "1" / "2": version 0
+    answers "1" to the "1" prompts whose question ends in an even digit and "3" to every other prompt; version 1
+    on answers "1" to everything. On 6 "1" prompts (3 even) and 2 "2" prompts: version 0 plain 3/8, balanced
+    (3/6 + 0/2) / 2 = 0.25; version 1 plain 6/8, balanced (6/6 + 0/2) / 2 = 0.5, with every reply "1"."""
     version = sample.version_spans[0][2] if sample.version_spans else 0
     reference = str(sample.prompt.answer)
     if version >= 1:
         answer = "1"
     else:
         even = int(sample.prompt.messages[-1]["content"].rstrip("?")[-1]) % 2 == 0
-        answer = reference if reference == "2" or even else "3"
+        answer = "1" if reference == "1" and even else "3"
     ok = answer == reference
     return RewardResult(value=float(ok), parts={"correct": float(ok)}, correct=ok, info={"answer": answer})

@@ -91,6 +91,22 @@ def _finite(value: Any) -> float | None:
     return number if number is not None and math.isfinite(number) else None
 
 
+def _answer_mode(row: dict[str, Any]) -> str:
+    return "greedy" if _finite(row.get("eval/greedy_answer_mode_frac")) is not None else "sampled"
+
+
+def held_out_collapsed(row: dict[str, Any]) -> bool:
+    """Rule c) of the module docstring: the eval row's replies give one (non-empty) answer at least
+    MODE_FRAC_ALARM of the time, PRIOR_GAP or more above the references' own most common share. Such an
+    evaluation never becomes the run's best checkpoint (rollwise.early_stop): its model answers the prior."""
+    mode = _answer_mode(row)
+    share, prior = _finite(row.get(f"eval/{mode}_answer_mode_frac")), _finite(row.get("eval/reference_mode_frac"))
+    answer = str(row.get(f"eval/{mode}_answer_mode", ""))
+    # replies without an answer are another failure (truncation, format), not a prior
+    return share is not None and prior is not None and share >= MODE_FRAC_ALARM and share - prior >= PRIOR_GAP \
+        and answer != ""
+
+
 @dataclass
 class CollapseWatch:
     """The collapse warnings of a run (module docstring). `entropies`: the first steps' `train/entropy` (the
@@ -179,12 +195,11 @@ class CollapseWatch:
 
     def _eval_answer(self, row: dict[str, Any], echo: bool) -> float:
         """Rule c) of the module docstring on one eval row: 1.0 while it holds, else 0.0."""
-        mode = "greedy" if _finite(row.get("eval/greedy_answer_mode_frac")) is not None else "sampled"
-        share, prior = _finite(row.get(f"eval/{mode}_answer_mode_frac")), _finite(row.get("eval/reference_mode_frac"))
-        answer = str(row.get(f"eval/{mode}_answer_mode", ""))
-        holds = share is not None and prior is not None and share >= MODE_FRAC_ALARM and share - prior >= PRIOR_GAP \
-            and answer != ""  # replies without an answer are another failure (truncation, format), not a prior
+        holds = held_out_collapsed(row)
         if holds and not self.eval_answer_on:
+            mode = _answer_mode(row)
+            share, prior = row[f"eval/{mode}_answer_mode_frac"], row["eval/reference_mode_frac"]
+            answer = str(row.get(f"eval/{mode}_answer_mode", ""))
             where = self.run_dir if self.run_dir is not None else "RUN_DIR"
             cause = ("the starting model already gives one answer to most prompts, so plain accuracy measures the "
                      "prior more than the task" if row_step(row) == 0 else "the policy learned the task's majority "
