@@ -137,8 +137,9 @@ DataConfig.model_rebuild()
 
 
 class RolloutConfig(Section, RolloutStrategyKeys):
-    engine: Literal["torch", "vllm", "sglang", "openai"] = Field(
-        "torch", description="rollout engine: 'torch' (in-process, CPU or GPU), 'vllm' (in-process vllm.LLM, or "
+    engine: Literal["auto", "torch", "vllm", "sglang", "openai"] = Field(
+        "auto", description="rollout engine: auto (vllm on a CUDA train.device with vLLM installed, else torch), "
+        "'torch' (in-process, CPU or GPU), 'vllm' (in-process vllm.LLM, or "
         "its OpenAI server with rollout.server = 'launch' or a URL), 'sglang' / 'openai' (a running server at "
         "rollout.server)")
     server: str | None = Field(None, description="vllm: None = in-process, 'launch' = start vLLM's OpenAI server "

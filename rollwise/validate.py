@@ -26,9 +26,11 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
 
 def validate(cfg: Config) -> Config:
     """`cfg` when it can run; ConfigError naming the first key that cannot (see the module docstring)."""
+    from rollwise.generate.factory import resolve_engine
     from rollwise.methods.checks import method_errors
     from rollwise.names import resolve_names
 
+    resolve_engine(cfg, lambda c: run_errors(c) + method_errors(c))  # rollout.engine = "auto" made concrete
     errors = run_errors(cfg) + method_errors(cfg)
     if errors:
         raise ConfigError(errors[0])

@@ -144,7 +144,8 @@ def test_overrides_apply_on_top_of_a_recipe(tmp_path):
     recipe.write_text('[train]\nsteps = 5\nlr = 1e-4\n[run]\nname = "x"\n')
     cfg = load(recipe, ["train.steps=7"])
     assert cfg.train.steps == 7 and cfg.train.lr == 1e-4 and cfg.run.name == "x"
-    assert cfg.rollout == Config().rollout  # untouched sections keep their defaults
+    # untouched sections keep their defaults (rollout.engine's "auto" is made concrete by validation)
+    assert cfg.rollout == Config().rollout.model_copy(update={"engine": cfg.rollout.engine})
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])

