@@ -121,6 +121,19 @@ def prune(run_dir: Path) -> None:
             subprocess.run(["rm", "-rf", str(ckpt)], check=True)
 
 
+def best_pointer(evals: list[dict]) -> dict:
+    """`checkpoints/best` as this tree's default rule picks it from the run's eval rows (rollwise.early_stop), so
+    runs written by an older rule read alike: {"metric", "step", "passed_over_steps"}."""
+    from rollwise.config import EarlyStopConfig
+    from rollwise.early_stop import EarlyStop
+
+    early = EarlyStop(EarlyStopConfig(metric="eval/greedy_balanced_accuracy", mode="max", patience=0), Path("."))
+    for row in evals:
+        if row.get(early.cfg.metric) is not None:
+            early._count(row)
+    return {"metric": early.cfg.metric, "step": early.best_step, "passed_over_steps": early.collapsed_steps}
+
+
 def read_run(run_dir: Path, command: list[str]) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -129,13 +142,14 @@ def read_run(run_dir: Path, command: list[str]) -> dict:
     best_step, best = max(acc, key=lambda sa: (sa[1], -sa[0]))
     summary = json.loads((run_dir / "summary.json").read_text())
     last = steps[-1] if steps else {}
-    pointer = summary.get("best") or {}
+    pointer = best_pointer(evals)
     by_step = {int(r["step"]): r for r in evals}
     at = by_step.get(pointer.get("step"), {})
     return {"run_dir": str(run_dir), "before": acc[0][1], "best": best, "best_step": best_step,
             "final": acc[-1][1], "evals": acc, "steps": len(steps),
             # what checkpoints/best is (rollwise.early_stop: by balanced accuracy, rollwise.metrics.prior)
             "pointer_metric": pointer.get("metric"), "pointer_step": pointer.get("step"),
+            "passed_over_steps": pointer.get("passed_over_steps"),
             "pointer_accuracy": at.get("eval/greedy_accuracy"),
             "balanced": [(int(r["step"]), r.get("eval/greedy_balanced_accuracy")) for r in evals],
             "reply_mode_frac": [(int(r["step"]), r.get("eval/greedy_answer_mode_frac")) for r in evals],
