@@ -10,10 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PrivateAttr, SecretStr, field_serializer, field_validator,
                       model_validator)
 
-from rollwise.errors import UserError
 from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig
-from rollwise.config_methods import ROLLOUT_STRATEGY_NAMES  # noqa: F401 (the strategy names, re-exported)
-from rollwise.config_methods import AlgoMethodKeys, RewardMethodKeys, RolloutStrategyKeys
+from rollwise.config_methods import ConfigError, TablesSection  # noqa: F401 (ConfigError is re-exported)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
@@ -133,10 +131,13 @@ class MixSource(DataConfig):
 DataConfig.model_rebuild()
 
 
-# the built-in entries of rollwise.rollout_strategies.ROLLOUT_STRATEGIES (a test keeps the two equal)
+class RolloutConfig(TablesSection, Section):
+    """Generation: the engine, sampling, and `strategy` with its table (`[rollout.<strategy>]`)."""
 
-
-class RolloutConfig(Section, RolloutStrategyKeys):
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    strategy: str = Field("plain", description="rollout strategy (rollwise/rollout_strategies/), its options in "
+                          "[rollout.<strategy>]: 'plain' (one engine call per round), 'rethink', 'adhint', 'tandem', "
+                          "'eepo', 'tree', 'duet', or a plugin 'package.module:factory'")
     engine: Literal["torch", "vllm", "sglang", "openai"] = Field(
         "torch", description="rollout engine: 'torch' (in-process, CPU or GPU), 'vllm' (in-process vllm.LLM, or "
         "its OpenAI server with rollout.server = 'launch' or a URL), 'sglang' / 'openai' (a running server at "
@@ -164,16 +165,6 @@ class RolloutConfig(Section, RolloutStrategyKeys):
                                            "config.toml; None = $ROLLWISE_API_KEY", json_schema_extra={
                                                "env": "ROLLWISE_API_KEY"})
 
-    @model_validator(mode="after")
-    def _adhint_samples_fit(self) -> "RolloutConfig":
-        if self.strategy == "adhint" and (self.adhint_samples or 0) >= self.samples_per_prompt:
-            raise ValueError(f"rollout.adhint_samples = {self.adhint_samples} leaves no unhinted sample of "
-                             f"{self.samples_per_prompt} per group; set it below rollout.samples_per_prompt")
-        if self.strategy == "rethink" and self.stop:
-            raise ValueError("rollout.strategy = 'rethink' continues responses that ended on a stop string, which "
-                             "the engine would see again at once; set rollout.stop = [] (EOS ends responses)")
-        return self
-
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, stop: list[str]) -> list[str]:
@@ -182,7 +173,10 @@ class RolloutConfig(Section, RolloutStrategyKeys):
         return stop
 
 
-class RewardConfig(Section, RewardMethodKeys):
+class RewardConfig(TablesSection, Section):
+    """Scoring: `fn` with its table (`[reward.<fn>]`), and reward wrappers' tables (`[reward.noise]`)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
     fn: str | None = Field(None, description="reward name or 'pkg.mod:fn'; None = the task's verifier")
     format_weight: float = Field(0.0, description="weight of the format part (answer present)")
     timeout_s: float = Field(20.0, gt=0.0, description="time limit of one reward call; a reward that runs over "
@@ -284,8 +278,15 @@ class SandboxConfig(Section):
                                    "cannot start (network and files stay visible); false = such a run stops")
 
 
-class AlgoConfig(Section, AlgoMethodKeys):
-    """Objective by name (see docs/algorithms.md); `*_options` go to the named entry as keywords."""
+class AlgoConfig(TablesSection, Section):
+    """Objective by name (see docs/algorithms.md); `*_options` go to the named entry as keywords; `method` and
+    `advantage` read their options from `[algo.<name>]`."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    method: str = Field("rl", description="the method of a run without [[stage]] tables (rollwise.methods), its "
+                        "options in [algo.<method>]: rl; acrl, dcmdp, mipu; hargo, echorl, progress, sgrpo, "
+                        "rorecomp, hrr, duet, tree, adhint (docs/seed_methods.md); or a plugin 'pkg.mod:Class'; a "
+                        "teacher (teacher.weights) makes it opd / opsd")
 
     advantage: str = Field("grpo", description="grpo, dr_grpo, rloo, reinforce_pp, moa (outcome) or gae (critic)")
     loss: str = Field("ppo_clip", description="ppo_clip, dual_clip, gspo, cispo, sao, nsr, reinforce")
@@ -310,20 +311,6 @@ class AlgoConfig(Section, AlgoMethodKeys):
     value_lr: float = Field(1e-3, gt=0.0, description="learning rate of the value head (a fresh layer)")
     value_clip: float | None = Field(0.2, gt=0.0, description="value-loss clip around old values; None = off")
     filter_zero_variance: bool = True
-
-    @model_validator(mode="after")
-    def _moa_weights(self) -> "AlgoConfig":
-        if self.advantage != "moa":
-            if self.moa_weights:
-                raise ValueError(f"algo.moa_weights is set but algo.advantage = {self.advantage!r}: set "
-                                 "algo.advantage = 'moa' or remove algo.moa_weights")
-            return self
-        if not self.moa_weights:
-            raise ValueError("algo.advantage = 'moa' needs algo.moa_weights: name the reward parts to combine, "
-                             "e.g. moa_weights = {correct = 1.0, format = 0.5}")
-        if any(not 0.0 <= w < float("inf") for w in self.moa_weights.values()) or not sum(self.moa_weights.values()):
-            raise ValueError(f"algo.moa_weights = {self.moa_weights}: weights must be finite, >= 0 and not all 0")
-        return self
 
 
 class EarlyStopConfig(Section):
@@ -519,17 +506,5 @@ class Config(Section):
             raise ValueError(f"rollout.strategy = {name!r} runs its rounds on this process's engine: set "
                              "control.mode = 'sync', rollout.source = 'local', control.partial_rollouts = false "
                              "and no env.name (or rollout.strategy = 'plain')")
-        if name == "tandem" and self.rollout.tandem_junior is None and self.lora.rank > 0:
-            raise ValueError("rollout.tandem_junior = None copies the initial policy, which LoRA wraps in adapters; "
-                             "name the junior's model directory in rollout.tandem_junior (e.g. model.name)")
-        if name == "eepo" and (self.lora.rank > 0 or self.train.backend != "local"):
-            raise ValueError("rollout.strategy = 'eepo' unlearns on a copy of the whole local policy: set "
-                             "lora.rank = 0 and train.backend = 'local'")
-        if (name == "adhint") != (self.algo.method == "adhint"):
-            raise ValueError("rollout.strategy = 'adhint' (hint prefixes) and algo.method = 'adhint' (their "
-                             "gradient modulation) go together: set both, or neither")
         return self
 
-
-class ConfigError(UserError, ValueError):
-    """A config file or override is invalid; the message says which key and what is valid."""

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollwise.config import SECRET_MASK, Config, ConfigError, StageConfig, secret_keys
+from rollwise.config_methods import METHOD_SECTIONS, moved_message
 from rollwise.config_tasks import merge_overrides, switch_task
 
 
@@ -56,6 +57,12 @@ def _check_keys(data: dict[str, Any], where: str) -> None:
         fields = _section_fields(sec)
         for number, table in enumerate(tables, 1):
             for key in table:
+                if key not in fields and sec in METHOD_SECTIONS:
+                    moved = moved_message(sec, key)
+                    if moved:
+                        raise ConfigError(f"{where}: {moved}")
+                    if isinstance(table[key], dict):
+                        continue  # a method's table, [rollout.duet]: checked by the method at validation
                 if key not in fields:
                     label = f"[[stage]] number {number}" if sec == "stage" else f"[{sec}]"
                     raise ConfigError(f"{where}: unknown key '{sec}.{key}'; valid keys in {label}: {', '.join(fields)}")
@@ -67,8 +74,13 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     dotted, _, raw = override.partition("=")
     parts = dotted.strip().split(".")
+    if len(parts) == 3 and parts[0] in METHOD_SECTIONS and parts[1] not in _section_fields(parts[0]):
+        sec, table, key = parts  # a method's table: rollout.duet.budget_tokens=3 (checked at validation)
+        data.setdefault(sec, {}).setdefault(table, {})[key] = _parse_value(raw.strip())
+        return
     if len(parts) != 2:
-        raise ConfigError(f"override {override!r}: key must be 'section.key'; valid keys: {', '.join(valid_keys())}")
+        raise ConfigError(f"override {override!r}: key must be 'section.key' (or 'section.method.key' for a "
+                          f"method's table); valid keys: {', '.join(valid_keys())}")
     sec, key = parts
     if sec == "stage":
         raise ConfigError(f"override {override!r}: [[stage]] tables are set in the recipe file, not on the "
