@@ -31,13 +31,18 @@ def secret_value(secret: SecretStr | str | None) -> str | None:
 
 
 def secret_keys() -> dict[str, str]:
-    """`section.key` -> environment variable of every secret field of `Config`."""
+    """`section.key` -> environment variable of every secret field of `Config` (and `section.method.key` of
+    every registered method table, e.g. `reward.judge.api_key`)."""
+    from rollwise.config_methods import OPTION_MODELS
+
+    models = [(sec_name, sec.annotation) for sec_name, sec in Config.model_fields.items()]
+    models += [(f"{sec}.{name}", model) for (sec, name), model in OPTION_MODELS.items()]  # [reward.judge]
     out = {}
-    for sec_name, sec in Config.model_fields.items():
-        for key, info in getattr(sec.annotation, "model_fields", {}).items():
+    for prefix, model in models:
+        for key, info in getattr(model, "model_fields", {}).items():
             env = (info.json_schema_extra or {}).get("env") if isinstance(info.json_schema_extra, dict) else None
             if env:
-                out[f"{sec_name}.{key}"] = env
+                out[f"{prefix}.{key}"] = env
     return out
 
 
@@ -185,27 +190,6 @@ class RewardConfig(TablesSection, Section):
                           "(stops rewards that hang in C code)")
     max_failed_steps: int = Field(2, ge=1, description="stop the run when every reward of this many steps in a "
                                   "row failed")
-    # reward.fn = "judge": an LLM judge behind an OpenAI-compatible chat endpoint (rollwise/rewards/judge.py)
-    judge_url: str | None = Field(None, description="judge: base URL of an OpenAI-compatible server, e.g. "
-                                  "'http://127.0.0.1:8000/v1' (vLLM, `rollwise serve`, a hosted API)")
-    judge_model: str | None = Field(None, description="judge: model name sent in each request; None = the first "
-                                    "model the server lists at /models")
-    judge_api_key: Secret | None = Field(None, description="judge: its Bearer token, a secret never written to "
-                                         "config.toml; None = $ROLLWISE_JUDGE_API_KEY, else no token",
-                                         json_schema_extra={"env": "ROLLWISE_JUDGE_API_KEY"})
-    judge_template: str | None = Field(None, description="judge: the user message, with {question}, {reference} "
-                                       "and {response}; it must ask for 'Score: N'; None = the built-in one (0-10)")
-    judge_max_tokens: int = Field(256, gt=0, description="judge: tokens of one judgement at most (an answer cut off "
-                                  "here is a failed judgement, never a score)")
-    judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (a step's samples "
-                                   "are judged concurrently)")
-    judge_retries: int = Field(2, ge=0, description="judge: retries of a request that failed on the network, timed "
-                               "out or got HTTP 429 / 5xx (not of an unparsable answer); reward.timeout_s bounds "
-                               "each sample, retries included")
-    judge_score_max: float = Field(10.0, gt=0.0, description="judge: the score scale; 'Score: N' becomes "
-                                   "N / judge_score_max, and N outside 0..judge_score_max is a failed judgement")
-    judge_threshold: float = Field(0.5, ge=0.0, le=1.0, description="judge: a normalised score at or above this "
-                                   "is correct")
 
 
 class ServeConfig(Section):

@@ -90,7 +90,9 @@ def options_error(cls: type[MethodOptions], exc: ValidationError) -> str:
         return (f"unknown key '{where}.{key}'; valid keys in [{where}]: {', '.join(cls.model_fields)}")
     if not key:
         return f"[{where}]: {err['msg'].removeprefix('Value error, ')}"
-    return f"{where}.{key}: {err['msg']}; got {err.get('input')!r}"
+    field = cls.model_fields.get(str(err["loc"][0]))
+    secret = field is not None and isinstance(field.json_schema_extra, dict) and "env" in field.json_schema_extra
+    return f"{where}.{key}: {err['msg']}; got {'***' if secret else repr(err.get('input'))}"
 
 
 class TablesSection(BaseModel):
@@ -131,6 +133,7 @@ MOVED: dict[str, tuple[str, str]] = {
     **_moves("rollout", "tree", "simulations branches step_tokens c_puct"),
     **_moves("reward", "cme", "model verifier batch_size"),
     **_moves("reward", "noise", "fp fn seed"),
+    **_moves("reward", "judge", "url model api_key template max_tokens concurrency retries score_max threshold"),
     "reward.label_fraction": ("reward.memreward", "label_fraction"),
     "reward.label_seed": ("reward.memreward", "seed"),
     "algo.discrepancy_measure": ("algo.acrl] or [algo.dcmdp", "measure"),

@@ -61,10 +61,11 @@ def section_model(sec: str) -> type[BaseModel]:
 
 
 def _type(annotation: Any) -> str:
+    if "SecretStr" in str(annotation):  # an API key: never its serializer's repr (it holds an address)
+        return "secret | None" if "None" in str(annotation) or "Optional" in str(annotation) else "secret"
     text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
     text = re.sub(r"<class '([\w.]+)'>", r"\1", text)
     text = re.sub(r"\b(typing|pydantic\.types|rollwise\.config)\.", "", text)
-    text = re.sub(r"Annotated\[SecretStr, .*\]", "secret", text)
     text = text.replace("NoneType", "None").replace("Optional[", "None | [")
     return text
 
@@ -131,7 +132,8 @@ def text(target: str | None = None) -> str:
 def _doc(model: type[BaseModel]) -> str:
     """The model's docstring on one line, without its leading `[section.name]` (the heading says it)."""
     doc = " ".join((model.__doc__ or "").split())
-    return re.sub(r"^`\[[\w.]+\]`(: | )", "", doc)
+    doc = re.sub(r"^`\[[\w.]+\]`(: | )", "", doc)
+    return re.sub(r"^\(with [^)]*\): ", "", doc)
 
 
 def _selected_by(table: type[MethodOptions]) -> str:
@@ -160,7 +162,7 @@ def markdown() -> str:
         if sec in METHOD_SECTIONS:
             for name, table in _tables_of(sec, tables):
                 doc = _doc(table)
-                out += [f"### [{sec}.{name}]", "", f"{doc} Read when {_selected_by(table).removeprefix('read ')}; "
+                out += [f"### [{sec}.{name}]", "", f"{doc} R{_selected_by(table)[1:]}; "
                         f"defined in `{table.__module__}`.", ""]
                 out += _md_table(rows(table))
     return "\n".join(out).rstrip() + "\n"

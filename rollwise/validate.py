@@ -220,7 +220,7 @@ def option_errors(cfg: Config) -> list[str]:
                 continue
             errors += options.errors(cfg)
             if not errors:
-                setattr(section, name, options.model_dump(mode="json"))
+                setattr(section, name, options.model_dump())  # a secret stays a SecretStr (masked in dumps)
     return errors
 
 
