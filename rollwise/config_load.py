@@ -85,6 +85,9 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if sec == "stage":
         raise ConfigError(f"override {override!r}: [[stage]] tables are set in the recipe file, not on the "
                           "command line")
+    moved = moved_message(sec, key) if sec in METHOD_SECTIONS else None
+    if moved:  # the value is left out: it may be a secret (reward.judge_api_key=...)
+        raise ConfigError(f"override {sec}.{key}=...: {moved}")
     _check_keys({sec: {key: None}}, f"override {override!r}")
     value = _parse_value(raw.strip())
     if _is_text_field(sec, key) and not isinstance(value, str):

@@ -209,3 +209,20 @@ def test_a_stale_reference_is_told_apart(monkeypatch):
     before = config_reference.markdown()
     monkeypatch.setattr(DuetOptions.model_fields["marker"], "description", "changed")
     assert config_reference.markdown() != before
+
+
+def test_a_secret_in_a_method_table_keeps_its_value_and_is_never_written(tiny_model_dir):
+    import json
+
+    from rollwise.rewards.judge import JudgeOptions
+
+    cfg = load(None, tiny_overrides(tiny_model_dir, **{"reward.fn": "judge", "reward.judge.url": "http://127.0.0.1:9/v1",
+                                                       "reward.judge.api_key": "sk-KEEP"}))
+    assert JudgeOptions.of(cfg).api_key.get_secret_value() == "sk-KEEP"  # the run's judge sends it
+    text = to_toml(cfg)
+    assert "sk-KEEP" not in text and "sk-KEEP" not in json.dumps(cfg.model_dump(mode="json"))
+    assert ("# api_key = *** (a secret, never written: give it as $ROLLWISE_JUDGE_API_KEY or "
+            "reward.judge.api_key=...)") in text
+    with pytest.raises(ConfigError, match="reward.judge_api_key moved: write \\[reward.judge\\] api_key") as err:
+        load_config(None, ["reward.judge_api_key=sk-OLD"])
+    assert "sk-OLD" not in str(err.value)
