@@ -36,6 +36,7 @@ class ConfigError(UserError, ValueError):
     """A config file or override is invalid; the message says which key and what is valid (re-exported by
     rollwise.config, where every caller imports it from)."""
 
+
 # the sections with method tables, and the key(s) that select a table there (docs: `rollwise config rollout`)
 METHOD_SECTIONS = {"rollout": "rollout.strategy", "algo": "algo.method ([[stage]] kind) or algo.advantage",
                    "reward": "reward.fn"}
@@ -62,6 +63,16 @@ class MethodOptions(BaseModel):
                 raise ValueError(f"MethodOptions section {section!r} is not one of {', '.join(METHOD_SECTIONS)}")
             cls.section, cls.name, cls.always = section, name, always
             OPTION_MODELS[(section, name)] = cls
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_as_text(cls, data: Any) -> Any:
+        """`rollout.duet.marker=2024` on the command line is the text "2024" (as `run.name=2024` is)."""
+        if isinstance(data, dict):
+            data = {key: str(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and key in cls.model_fields and cls.model_fields[key].annotation in (str, str | None)
+                    else value for key, value in data.items()}
+        return data
 
     @classmethod
     def table(cls, cfg) -> dict[str, Any]:

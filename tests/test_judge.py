@@ -1,6 +1,6 @@
 """`reward.fn = "judge"` against real local servers over HTTP: `rollwise serve`'s app with a scripted judge
 policy that always answers `Score: 7` (parsing, concurrency, a training run), the same app over the tiny random
-model (its answers are cut off at judge_max_tokens: counted failures that stop a run), and a small server that
+model (its answers are cut off at [reward.judge] max_tokens: counted failures that stop a run), and a small server that
 fails on purpose (retries, timeouts, HTTP errors)."""
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def test_the_threshold_decides_correctness_and_the_score_scale_normalises(script
 
 
 def test_an_unparsable_judgement_from_the_tiny_model_is_a_counted_failure(tiny_judge):
-    """The tiny random model as the judge: its answers run to judge_max_tokens (finish_reason 'length' from
+    """The tiny random model as the judge: its answers run to [reward.judge] max_tokens (finish_reason 'length' from
     `rollwise serve`), so every sample is FAILED with the reason (never a reward of 0) and counted in
     reward/errors."""
     judge = _judge(tiny_judge.url, max_tokens=8)

@@ -226,3 +226,8 @@ def test_a_secret_in_a_method_table_keeps_its_value_and_is_never_written(tiny_mo
     with pytest.raises(ConfigError, match="reward.judge_api_key moved: write \\[reward.judge\\] api_key") as err:
         load_config(None, ["reward.judge_api_key=sk-OLD"])
     assert "sk-OLD" not in str(err.value)
+
+
+def test_a_number_given_for_a_text_option_is_that_text(tiny_model_dir):
+    cfg = load(None, tiny_overrides(tiny_model_dir) + [*DUET, "rollout.duet.marker=2024"])
+    assert DuetOptions.of(cfg).marker == "2024"

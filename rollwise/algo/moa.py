@@ -61,8 +61,8 @@ def moa(rewards: torch.Tensor, group_ids: torch.Tensor, parts: dict[str, torch.T
     """MOA advantages (see the module docstring).
 
     rewards: [N] training rewards; group_ids: [N]; parts: reward parts by name, [N] each (NaN where a sample has
-    no such part); weights: part name -> weight (None: {"reward": 1.0}, i.e. GRPO). Returns [N] float32. ValueError naming `algo.moa.weights` when a
-    weighted part is missing from a sample or the weights are unusable."""
+    no such part); weights: part name -> weight (None: {"reward": 1.0}, i.e. GRPO). Returns [N] float32. ValueError
+    naming `algo.moa.weights` when a weighted part is missing from a sample or the weights are unusable."""
     weights = dict(weights or {REWARD_PART: 1.0})  # called bare (no weights): GRPO on the training reward
     errors = moa_errors(weights)
     if errors:

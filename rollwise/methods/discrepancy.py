@@ -1,16 +1,16 @@
 """`dcmdp` and `acrl`: the plain RL step plus control of the engine-vs-trainer discrepancy (rollwise.algo.discrepancy).
 
 Each step measures D, the discrepancy between the engine that sampled the batch and the trainer before any update
-of the step, on the tokens of the current policy version (`algo.discrepancy_measure`: `k3` as `mismatch/k3`, or
-`abs_gap`), and acts on it:
+of the step, on the tokens of the current policy version (`measure` of `[algo.dcmdp]` / `[algo.acrl]`: `k3`
+as `mismatch/k3`, or `abs_gap`), and acts on it:
 
 - DCMDP: the loss gains `lambda x D_tokens` (aggregated like the policy loss, gradient through the trainer's
   log-probs), so the policy is pulled toward what the engine samples; after the update `lambda <- clip(lambda +
-  dual_lr (D - discrepancy_target), 0, dual_max)`. Within the tolerance lambda decays to 0 and RL runs unchanged.
+  dual_lr (D - target), 0, dual_max)`. Within the tolerance lambda decays to 0 and RL runs unchanged.
 - ACRL: tokens whose log-prob gap exceeds the threshold `tau` get weight 0 in the policy loss (their advantage is
   zeroed), so the update trains on tokens of bounded discrepancy D_trained; after the update `tau` moves toward
-  the largest threshold that would have kept the step's D_trained at `discrepancy_target` (the loosest,
-  `acrl_threshold_max`, when nothing needed masking), within `[acrl_threshold_min, acrl_threshold_max]`.
+  the largest threshold that would have kept the step's D_trained at `target` (the loosest,
+  `threshold_max`, when nothing needed masking), within `[threshold_min, threshold_max]`.
 
 Logged every step: `mismatch/discrepancy` (D of every current token, comparable across methods),
 `mismatch/violation` (the controlled D minus the target: D for DCMDP, D_trained for ACRL), and `mismatch/lambda`,
@@ -129,7 +129,7 @@ class ACRLOptions(MethodOptions, section="algo", name="acrl"):
 
 
 class DCMDP(Method):
-    """Reward maximisation under the constraint D <= `algo.discrepancy_target`, by Lagrangian relaxation."""
+    """Reward maximisation under the constraint D <= `[algo.dcmdp] target`, by Lagrangian relaxation."""
 
     options = DCMDPOptions
 
@@ -177,7 +177,7 @@ class DCMDP(Method):
 class ACRL(DCMDP):
 
     options = ACRLOptions
-    """The tokens an update trains on kept at discrepancy D <= `algo.discrepancy_target` by a per-token gap mask
+    """The tokens an update trains on kept at discrepancy D <= `[algo.acrl] target` by a per-token gap mask
     whose threshold is refitted each step."""
 
     label = "acrl_threshold"

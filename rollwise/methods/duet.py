@@ -14,7 +14,7 @@ Two halves, set together (`rollout.strategy = "duet"` and `algo.method = "duet"`
     needs.
   * counts: the round's budget `rollout.duet.budget_tokens` buys `R = floor(budget / L)` rollouts, `L` the
     running mean tokens per rollout (`rollout.max_new_tokens` before the first round), within
-    `[duet_min_samples, samples_per_prompt] x prompts`. Each prompt gets `duet_min_samples`; the rest go one at a
+    `[min_samples, samples_per_prompt] x prompts`. Each prompt gets `min_samples`; the rest go one at a
     time to the prompt with the largest `(u + 1e-3) / (n + 1)` below `samples_per_prompt` (D'Hondt's rule:
     counts proportional to u, a tiny floor so that solved and hopeless prompts are not starved below the
     minimum only by ties). The group keeps the first n of its samples; the others are never generated.

@@ -18,8 +18,8 @@ What the abstracts leave open, and what is filled in here:
 
 - the advantage of a relabelled response (ZipRL: "HRR into GRPO via generalized advantage reshaping"): it has
   no group of its own under the new prompt, so it is scored against the group it was sampled in:
-  `A = hrr_weight x (r_relabelled - mean reward of its original group)`; in a group that failed everywhere
-  (the case hindsight is for, LfH) that is `hrr_weight x r_relabelled`. No std normalisation: the std of an
+  `A = weight x (r_relabelled - mean reward of its original group)`; in a group that failed everywhere
+  (the case hindsight is for, LfH) that is `weight x r_relabelled`. No std normalisation: the std of an
   all-failed group is 0.
 - groups whose rewards are all equal reach the method (`keeps_uniform_groups`): their failures are what gets
   relabelled; their original responses, advantage 0, still leave the update as the zero-variance filter would

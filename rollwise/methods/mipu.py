@@ -28,7 +28,7 @@ One step here:
 
 What the abstract leaves open, filled in here: the gap proxy's form. The surrogate gain alone accepts a ruined
 policy whenever the long responses had negative advantages (r ~ 0 makes gain = -mean(A)), so the proxy is a
-TRPO-style lower bound, gain minus a KL penalty measured on the inference side (`mipu_kl_coef = 0` gives the bare
+TRPO-style lower bound, gain minus a KL penalty measured on the inference side (`kl_coef = 0` gives the bare
 surrogate). Departures: the learning-rate schedule and the policy version still advance on a rejected step (as
 `skip_step`); the candidate costs one extra sync and one engine scoring pass per step; a run stops when
 `algo.mipu.max_rejects_in_row` updates in a row are rejected (the policy could not move). Only the local trainer

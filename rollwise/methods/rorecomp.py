@@ -19,7 +19,7 @@ What the abstract leaves open, and what is filled in here:
 - rollwise makes one update per step, so a compensation batch joins the step's priority batch in the same update
   once the buffer holds `algo.rorecomp.compensation_size` responses (the oldest first), instead of a separate
   update; entries older than `algo.rorecomp.max_age` policy versions are evicted (the trainer's importance
-  correction, `algo.is_correction`, weighs the stale ones). `rorecomp_compensation_size = 0` trains priority
+  correction, `algo.is_correction`, weighs the stale ones). `compensation_size = 0` trains priority
   batches only (the ablation without compensation).
 
 Metrics per step: `rorecomp/priority_frac` (share of the step's fresh responses in the priority batch),

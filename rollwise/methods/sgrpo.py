@@ -7,7 +7,7 @@ is distinct-n over token ids (n = `algo.sgrpo.ngram`), a set-level and embedding
     D(S)     = |union of the n-grams of the responses in S| / (total n-grams of the responses in S)   in [0, 1]
     c_i      = max(0, D(S) - D(S \\ {i}))                       leave-one-out contribution of response i
     d_i      = |S| * D(S) * c_i / sum_{j in S} c_j             (d_i = D(S) for all i when every c_j = 0)
-    r'_i     = u_i + sgrpo_coef * d_i
+    r'_i     = u_i + coef * d_i
 
 `d` hands the set's diversity reward `|S| * D(S)` out to its members in proportion to what each adds (a
 duplicate adds nothing), so its mean over a set is `D(S)`: a response in a more diverse set gets more, and the
@@ -101,7 +101,7 @@ class SGRPOOptions(MethodOptions, section="algo", name="sgrpo"):
 
 
 class SGRPO(Method):
-    """GRPO on `utility + sgrpo_coef * diversity credit` (see the module docstring)."""
+    """GRPO on `utility + coef * diversity credit` (see the module docstring)."""
 
     options = SGRPOOptions
 
@@ -120,7 +120,7 @@ class SGRPO(Method):
                           "of at least 2 responses; choose a divisor of samples_per_prompt up to half of it")
         if cfg.rollout.max_new_tokens < o.ngram:
             errors.append(f"algo.sgrpo.ngram = {o.ngram} is longer than rollout.max_new_tokens = "
-                          f"{cfg.rollout.max_new_tokens}: no response could have an n-gram; lower sgrpo_ngram")
+                          f"{cfg.rollout.max_new_tokens}: no response could have an n-gram; lower algo.sgrpo.ngram")
         return errors
 
     def prepare(self, step: StepInput) -> Prepared:

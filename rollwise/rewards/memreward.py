@@ -1,5 +1,5 @@
 """MemReward: rewards for unlabelled rollouts propagated from labelled ones through a similarity graph over an
-experience memory (`reward.memreward.label_fraction` < 1, `reward.memreward.seed`).
+experience memory (`[reward.memreward] label_fraction` < 1, `seed`).
 
 A prompt is labelled with probability `label_fraction` (fixed by the seed and its uid): its rollouts get the
 wrapped reward (the verifier) and join the memory. The rollouts of an unlabelled prompt get the harmonic

@@ -1,14 +1,14 @@
 """Verifier noise: false-positive / false-negative flips of any reward at set rates, for experiments on how
 robust training is to an imperfect verifier (`reward.noise.fp`, `reward.noise.fn`, `reward.noise.seed`).
 
-    clean verdict incorrect: with probability noise_fp  -> reward 1.0, correct   (a false positive)
-    clean verdict correct:   with probability noise_fn  -> reward 0.0, incorrect (a false negative)
+    clean verdict incorrect: with probability fp  -> reward 1.0, correct   (a false positive)
+    clean verdict correct:   with probability fn  -> reward 0.0, incorrect (a false negative)
 
 Issue 23's "verifier noise" item (the seeds study rewards from imperfect verifiers; no single paper's formula):
 what is filled in here, and why:
 - The noise is a binary verifier's: a flipped sample gets the reward of a plain 1 / 0 verifier, whatever the
   wrapped reward's scale; the clean verdict is `rollwise.rewards.calling.decide_correct` of the wrapped result.
-- A flip is a pure function of (`noise_seed`, the prompt's uid, the response text): reproducible, independent of
+- A flip is a pure function of (`seed`, the prompt's uid, the response text): reproducible, independent of
   batch order and worker count, and the same after a resume. Two identical responses to one prompt flip
   together (a verifier that errs on an input errs on it every time).
 - Only training rewards are noisy: `rollwise.build` wraps the reward the Control stage scores with; held-out
