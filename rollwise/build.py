@@ -44,7 +44,7 @@ from rollwise.registry import Registry
 from rollwise.replay import ReplayBuffer
 from rollwise.rewards import RewardFailureGuard, build_reward_fn
 from rollwise.rewards.noise import training_reward  # verifier noise (reward.noise_*): training rewards only
-from rollwise.rewards.memreward import with_label_propagation  # MemReward (reward.label_fraction)
+from rollwise.rewards.memreward import with_label_propagation  # MemReward ([reward.memreward])
 from rollwise.rollout import LocalRollouts, ProcessRollouts, episodes_for
 from rollwise.rollout_strategies import StrategyContext, build_strategy
 from rollwise.session import Run, encode_eval_prompts, restore_loop_state, restore_state, seed_everything

@@ -1,4 +1,4 @@
-"""Command line: `rollwise train | eval | report`."""
+"""Command line: `rollwise train | eval | report | config | ...`."""
 
 from __future__ import annotations
 
@@ -274,6 +274,21 @@ def peak(
         for name, entry in perf.remeasure_peaks(tuple(dtype or ("float32", "bfloat16")), used).items():
             typer.echo(f"{name}: {entry['gflops']:.0f} GFLOP/s on {used} threads ({entry.get('method', '')}, "
                        f"{entry.get('date', '')}) -> {perf._cache_file()}")
+
+
+@app.command("config")
+def config_cmd(
+    target: Optional[str] = typer.Argument(None, help="SECTION, SECTION.KEY or SECTION.METHOD (a method's table, "
+                                           "e.g. rollout.duet); none = every section"),
+    markdown: bool = typer.Option(False, "--markdown", help="the whole reference as Markdown (docs/config.md)"),
+) -> None:
+    """Print config keys with their types, defaults and descriptions, from the config models."""
+    from rollwise import config_reference
+
+    try:
+        typer.echo(config_reference.markdown() if markdown else config_reference.text(target), nl=not markdown)
+    except ConfigError as exc:
+        _fail(str(exc))
 
 
 if __name__ == "__main__":

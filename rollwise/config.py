@@ -10,10 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PrivateAttr, SecretStr, field_serializer, field_validator,
                       model_validator)
 
-from rollwise.errors import UserError
 from rollwise.config_distill import DistillConfig, StageConfig, TeacherConfig
-from rollwise.config_methods import ROLLOUT_STRATEGY_NAMES  # noqa: F401 (the strategy names, re-exported)
-from rollwise.config_methods import AlgoMethodKeys, RewardMethodKeys, RolloutStrategyKeys
+from rollwise.config_methods import ConfigError, TablesSection  # noqa: F401 (ConfigError is re-exported)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 
@@ -33,13 +31,18 @@ def secret_value(secret: SecretStr | str | None) -> str | None:
 
 
 def secret_keys() -> dict[str, str]:
-    """`section.key` -> environment variable of every secret field of `Config`."""
+    """`section.key` -> environment variable of every secret field of `Config` (and `section.method.key` of
+    every registered method table, e.g. `reward.judge.api_key`)."""
+    from rollwise.config_methods import OPTION_MODELS
+
+    models = [(sec_name, sec.annotation) for sec_name, sec in Config.model_fields.items()]
+    models += [(f"{sec}.{name}", model) for (sec, name), model in OPTION_MODELS.items()]  # [reward.judge]
     out = {}
-    for sec_name, sec in Config.model_fields.items():
-        for key, info in getattr(sec.annotation, "model_fields", {}).items():
+    for prefix, model in models:
+        for key, info in getattr(model, "model_fields", {}).items():
             env = (info.json_schema_extra or {}).get("env") if isinstance(info.json_schema_extra, dict) else None
             if env:
-                out[f"{sec_name}.{key}"] = env
+                out[f"{prefix}.{key}"] = env
     return out
 
 
@@ -133,10 +136,13 @@ class MixSource(DataConfig):
 DataConfig.model_rebuild()
 
 
-# the built-in entries of rollwise.rollout_strategies.ROLLOUT_STRATEGIES (a test keeps the two equal)
+class RolloutConfig(TablesSection, Section):
+    """Generation: the engine, sampling, and `strategy` with its table (`[rollout.<strategy>]`)."""
 
-
-class RolloutConfig(Section, RolloutStrategyKeys):
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    strategy: str = Field("plain", description="rollout strategy (rollwise/rollout_strategies/), its options in "
+                          "[rollout.<strategy>]: 'plain' (one engine call per round), 'rethink', 'adhint', 'tandem', "
+                          "'eepo', 'tree', 'duet', or a plugin 'package.module:factory'")
     engine: Literal["auto", "torch", "vllm", "sglang", "openai"] = Field(
         "auto", description="rollout engine: auto (vllm on a CUDA train.device with vLLM installed, else torch), "
         "'torch' (in-process, CPU or GPU), 'vllm' (in-process vllm.LLM, or "
@@ -165,16 +171,6 @@ class RolloutConfig(Section, RolloutStrategyKeys):
                                            "config.toml; None = $ROLLWISE_API_KEY", json_schema_extra={
                                                "env": "ROLLWISE_API_KEY"})
 
-    @model_validator(mode="after")
-    def _adhint_samples_fit(self) -> "RolloutConfig":
-        if self.strategy == "adhint" and (self.adhint_samples or 0) >= self.samples_per_prompt:
-            raise ValueError(f"rollout.adhint_samples = {self.adhint_samples} leaves no unhinted sample of "
-                             f"{self.samples_per_prompt} per group; set it below rollout.samples_per_prompt")
-        if self.strategy == "rethink" and self.stop:
-            raise ValueError("rollout.strategy = 'rethink' continues responses that ended on a stop string, which "
-                             "the engine would see again at once; set rollout.stop = [] (EOS ends responses)")
-        return self
-
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, stop: list[str]) -> list[str]:
@@ -183,7 +179,10 @@ class RolloutConfig(Section, RolloutStrategyKeys):
         return stop
 
 
-class RewardConfig(Section, RewardMethodKeys):
+class RewardConfig(TablesSection, Section):
+    """Scoring: `fn` with its table (`[reward.<fn>]`), and reward wrappers' tables (`[reward.noise]`)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
     fn: str | None = Field(None, description="reward name or 'pkg.mod:fn'; None = the task's verifier")
     format_weight: float = Field(0.0, description="weight of the format part (answer present)")
     timeout_s: float = Field(20.0, gt=0.0, description="time limit of one reward call; a reward that runs over "
@@ -192,27 +191,6 @@ class RewardConfig(Section, RewardMethodKeys):
                           "(stops rewards that hang in C code)")
     max_failed_steps: int = Field(2, ge=1, description="stop the run when every reward of this many steps in a "
                                   "row failed")
-    # reward.fn = "judge": an LLM judge behind an OpenAI-compatible chat endpoint (rollwise/rewards/judge.py)
-    judge_url: str | None = Field(None, description="judge: base URL of an OpenAI-compatible server, e.g. "
-                                  "'http://127.0.0.1:8000/v1' (vLLM, `rollwise serve`, a hosted API)")
-    judge_model: str | None = Field(None, description="judge: model name sent in each request; None = the first "
-                                    "model the server lists at /models")
-    judge_api_key: Secret | None = Field(None, description="judge: its Bearer token, a secret never written to "
-                                         "config.toml; None = $ROLLWISE_JUDGE_API_KEY, else no token",
-                                         json_schema_extra={"env": "ROLLWISE_JUDGE_API_KEY"})
-    judge_template: str | None = Field(None, description="judge: the user message, with {question}, {reference} "
-                                       "and {response}; it must ask for 'Score: N'; None = the built-in one (0-10)")
-    judge_max_tokens: int = Field(256, gt=0, description="judge: tokens of one judgement at most (an answer cut off "
-                                  "here is a failed judgement, never a score)")
-    judge_concurrency: int = Field(8, ge=1, description="judge: requests in flight at once (a step's samples "
-                                   "are judged concurrently)")
-    judge_retries: int = Field(2, ge=0, description="judge: retries of a request that failed on the network, timed "
-                               "out or got HTTP 429 / 5xx (not of an unparsable answer); reward.timeout_s bounds "
-                               "each sample, retries included")
-    judge_score_max: float = Field(10.0, gt=0.0, description="judge: the score scale; 'Score: N' becomes "
-                                   "N / judge_score_max, and N outside 0..judge_score_max is a failed judgement")
-    judge_threshold: float = Field(0.5, ge=0.0, le=1.0, description="judge: a normalised score at or above this "
-                                   "is correct")
 
 
 class ServeConfig(Section):
@@ -285,8 +263,15 @@ class SandboxConfig(Section):
                                    "cannot start (network and files stay visible); false = such a run stops")
 
 
-class AlgoConfig(Section, AlgoMethodKeys):
-    """Objective by name (see docs/algorithms.md); `*_options` go to the named entry as keywords."""
+class AlgoConfig(TablesSection, Section):
+    """Objective by name (see docs/algorithms.md); `*_options` go to the named entry as keywords; `method` and
+    `advantage` read their options from `[algo.<name>]`."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    method: str = Field("rl", description="the method of a run without [[stage]] tables (rollwise.methods), its "
+                        "options in [algo.<method>]: rl; acrl, dcmdp, mipu; hargo, echorl, progress, sgrpo, "
+                        "rorecomp, hrr, duet, tree, adhint (docs/seed_methods.md); or a plugin 'pkg.mod:Class'; a "
+                        "teacher (teacher.weights) makes it opd / opsd")
 
     advantage: str = Field("grpo", description="grpo, dr_grpo, rloo, reinforce_pp, moa (outcome) or gae (critic)")
     loss: str = Field("ppo_clip", description="ppo_clip, dual_clip, gspo, cispo, sao, nsr, reinforce")
@@ -311,20 +296,6 @@ class AlgoConfig(Section, AlgoMethodKeys):
     value_lr: float = Field(1e-3, gt=0.0, description="learning rate of the value head (a fresh layer)")
     value_clip: float | None = Field(0.2, gt=0.0, description="value-loss clip around old values; None = off")
     filter_zero_variance: bool = True
-
-    @model_validator(mode="after")
-    def _moa_weights(self) -> "AlgoConfig":
-        if self.advantage != "moa":
-            if self.moa_weights:
-                raise ValueError(f"algo.moa_weights is set but algo.advantage = {self.advantage!r}: set "
-                                 "algo.advantage = 'moa' or remove algo.moa_weights")
-            return self
-        if not self.moa_weights:
-            raise ValueError("algo.advantage = 'moa' needs algo.moa_weights: name the reward parts to combine, "
-                             "e.g. moa_weights = {correct = 1.0, format = 0.5}")
-        if any(not 0.0 <= w < float("inf") for w in self.moa_weights.values()) or not sum(self.moa_weights.values()):
-            raise ValueError(f"algo.moa_weights = {self.moa_weights}: weights must be finite, >= 0 and not all 0")
-        return self
 
 
 class EarlyStopConfig(Section):
@@ -520,17 +491,5 @@ class Config(Section):
             raise ValueError(f"rollout.strategy = {name!r} runs its rounds on this process's engine: set "
                              "control.mode = 'sync', rollout.source = 'local', control.partial_rollouts = false "
                              "and no env.name (or rollout.strategy = 'plain')")
-        if name == "tandem" and self.rollout.tandem_junior is None and self.lora.rank > 0:
-            raise ValueError("rollout.tandem_junior = None copies the initial policy, which LoRA wraps in adapters; "
-                             "name the junior's model directory in rollout.tandem_junior (e.g. model.name)")
-        if name == "eepo" and (self.lora.rank > 0 or self.train.backend != "local"):
-            raise ValueError("rollout.strategy = 'eepo' unlearns on a copy of the whole local policy: set "
-                             "lora.rank = 0 and train.backend = 'local'")
-        if (name == "adhint") != (self.algo.method == "adhint"):
-            raise ValueError("rollout.strategy = 'adhint' (hint prefixes) and algo.method = 'adhint' (their "
-                             "gradient modulation) go together: set both, or neither")
         return self
 
-
-class ConfigError(UserError, ValueError):
-    """A config file or override is invalid; the message says which key and what is valid."""

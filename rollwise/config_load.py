@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollwise.config import SECRET_MASK, Config, ConfigError, StageConfig, secret_keys
+from rollwise.config_methods import METHOD_SECTIONS, migrate_flat_keys, moved_message
 from rollwise.config_tasks import merge_overrides, switch_task
 
 
@@ -56,6 +57,12 @@ def _check_keys(data: dict[str, Any], where: str) -> None:
         fields = _section_fields(sec)
         for number, table in enumerate(tables, 1):
             for key in table:
+                if key not in fields and sec in METHOD_SECTIONS:
+                    moved = moved_message(sec, key)
+                    if moved:
+                        raise ConfigError(f"{where}: {moved}")
+                    if isinstance(table[key], dict):
+                        continue  # a method's table, [rollout.duet]: checked by the method at validation
                 if key not in fields:
                     label = f"[[stage]] number {number}" if sec == "stage" else f"[{sec}]"
                     raise ConfigError(f"{where}: unknown key '{sec}.{key}'; valid keys in {label}: {', '.join(fields)}")
@@ -67,12 +74,20 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {override!r} must look like section.key=value")
     dotted, _, raw = override.partition("=")
     parts = dotted.strip().split(".")
+    if len(parts) == 3 and parts[0] in METHOD_SECTIONS and parts[1] not in _section_fields(parts[0]):
+        sec, table, key = parts  # a method's table: rollout.duet.budget_tokens=3 (checked at validation)
+        data.setdefault(sec, {}).setdefault(table, {})[key] = _parse_value(raw.strip())
+        return
     if len(parts) != 2:
-        raise ConfigError(f"override {override!r}: key must be 'section.key'; valid keys: {', '.join(valid_keys())}")
+        raise ConfigError(f"override {override!r}: key must be 'section.key' (or 'section.method.key' for a "
+                          f"method's table); valid keys: {', '.join(valid_keys())}")
     sec, key = parts
     if sec == "stage":
         raise ConfigError(f"override {override!r}: [[stage]] tables are set in the recipe file, not on the "
                           "command line")
+    moved = moved_message(sec, key) if sec in METHOD_SECTIONS else None
+    if moved:  # the value is left out: it may be a secret (reward.judge_api_key=...)
+        raise ConfigError(f"override {sec}.{key}=...: {moved}")
     _check_keys({sec: {key: None}}, f"override {override!r}")
     value = _parse_value(raw.strip())
     if _is_text_field(sec, key) and not isinstance(value, str):
@@ -110,6 +125,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"recipe {path}: cannot read it as a TOML file ({exc})") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        migrated = migrate_flat_keys(data) if is_run_config(Path(path)) else []
         _check_keys(data, where)
     given: dict[str, Any] = {}
     for override in overrides or []:
@@ -120,5 +136,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation(exc, where)) from exc
-    cfg._load_notes = notes
+    cfg._load_notes = migrated + notes if path is not None else notes
     return cfg
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether `path` is the config.toml a run wrote into its run directory (beside its metrics or checkpoints)."""
+    return path.name == "config.toml" and any((path.parent / f).exists() for f in ("metrics.jsonl", "checkpoints"))

@@ -1,183 +1,219 @@
-"""Config keys of the methods (seed papers) that enter through a seam: rollout strategies, reward methods and
-the `algo.method` family (docs/algorithms.md). Kept apart from `rollwise.config` for size; `RolloutConfig`,
-`RewardConfig` and `AlgoConfig` inherit these keys, so they read as `cfg.rollout.rethink_fraction` etc.
+"""Where a method's settings live: one table per method under its section, declared by the method itself.
+
+A rollout strategy (`rollout.strategy = "duet"`), an `algo.method` / `[[stage]] kind` or `algo.advantage`
+(`algo.method = "hargo"`), and a reward method (`reward.fn = "cme"`, or a reward wrapper such as verifier noise)
+reads its options from a nested table named after it:
+
+    [rollout]
+    strategy = "duet"
+    [rollout.duet]
+    budget_tokens = 4096            # command line: rollout.duet.budget_tokens=4096
+
+The method's module declares the table as one `MethodOptions` subclass, which registers it here:
+
+    class DuetOptions(MethodOptions, section="rollout", name="duet"):
+        budget_tokens: int = Field(0, ge=0, description="...")
+
+and reads it with `DuetOptions.of(cfg)` (a typed, validated instance; the defaults when the table is absent).
+`rollwise.validate` checks the table of every selected method (and that no table is set for a method the run
+does not select) before any work; `rollwise config rollout.duet` prints it (docs/config.md is generated from
+these models). The config sections themselves never import a method: they keep each table as written.
+
+`MOVED` names the new place of every flat key of the methods that entered before the tables
+(`rollout.duet_budget_tokens` -> `[rollout.duet] budget_tokens`); such a key fails at load in one line.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-ROLLOUT_STRATEGY_NAMES = ("plain", "rethink", "adhint", "tandem", "eepo", "tree", "duet")
+from rollwise.errors import UserError
 
 
-class RolloutStrategyKeys(BaseModel):
-    """`[rollout]` keys of the rollout strategies (rollwise/rollout_strategies/)."""
+class ConfigError(UserError, ValueError):
+    """A config file or override is invalid; the message says which key and what is valid (re-exported by
+    rollwise.config, where every caller imports it from)."""
 
-    # rollout strategies (rollwise/rollout_strategies/): how one round of generation makes its samples
-    strategy: str = Field("plain", description="rollout strategy: 'plain' (one engine call per round), 'rethink' "
-                          "(Forced Rethinking), 'adhint' (ADHint hint prefixes), 'tandem' (Tandem RL: a frozen junior "
-                          "writes some segments), 'eepo' (EEPO: the second half of each group from an unlearned "
-                          "copy), 'tree' (rStar-Math / MedS3 tree-search rollouts), 'duet' (DUET, with algo.method "
-                          "= 'duet'), or a plugin "
-                          "'package.module:factory'")
-    rethink_trigger: str = Field("\nWait, let me check.", min_length=1, description="rethink: text appended (loss "
-                                 "mask 0) to a completed response before it is continued")
-    rethink_fraction: float = Field(0.5, ge=0.0, le=1.0, description="rethink: probability that a completed "
-                                    "response gets the trigger and is continued")
-    rethink_max_new_tokens: int = Field(0, ge=0, description="rethink: tokens the continuation may add after the "
-                                        "trigger; 0 = rollout.max_new_tokens")
-    adhint_max_ratio: float = Field(0.5, ge=0.0, le=1.0, description="adhint: share of the hint's tokens given to "
-                                    "a prompt the policy never solves (the ratio falls linearly to 0 at accuracy 1)")
-    adhint_samples: int | None = Field(None, ge=1, description="adhint: samples of each group that get the hint "
-                                       "prefix (the others roll out without it), below rollout.samples_per_prompt; "
-                                       "None = half the group")
-    adhint_weight: float = Field(0.5, ge=0.0, le=1.0, description="adhint: gradient weight of a hinted response's "
-                                 "own tokens (its advantage is scaled by it); 1 = no modulation")
-    adhint_momentum: float = Field(0.5, ge=0.0, lt=1.0, description="adhint: running accuracy per prompt (and "
-                                   "overall) = momentum x old + (1 - momentum) x the new group's accuracy")
-    duet_budget_tokens: int = Field(0, ge=0, description="duet (rollout.strategy 'duet'): rollout tokens one "
-                                    "generation round may spend; the rollouts it buys go to prompts by "
-                                    "informativeness; 0 = samples_per_prompt for every prompt")
-    duet_min_samples: int = Field(2, ge=2, description="duet: rollouts every prompt gets, whatever its "
-                                  "informativeness")
-    duet_abort_tokens: int = Field(0, ge=0, description="duet: a rollout that has not written duet_marker after this "
-                                   "many tokens is aborted there (and left out of the update); 0 = no abort rule")
-    duet_marker: str = Field("The answer is", min_length=1, description="duet: the text whose appearance lets a "
-                             "rollout continue past duet_abort_tokens")
-    duet_momentum: float = Field(0.5, ge=0.0, lt=1.0, description="duet: running pass rate = momentum x old + "
-                                 "(1 - momentum) x the new group's; also the running tokens per rollout")
-    tandem_junior: str | None = Field(None, description="tandem: the frozen junior (a local model directory, a hub "
-                                      "id or 'smollm2-135m-instruct', sharing the policy's tokenizer); None = a "
-                                      "frozen copy of the initial policy")
-    tandem_segment_tokens: int = Field(8, ge=1, description="tandem: tokens of one segment (one author)")
-    tandem_junior_prob: float = Field(0.5, ge=0.0, le=1.0, description="tandem: probability that a segment after "
-                                      "the first (always the senior's) is written by the junior")
-    eepo_unlearn_steps: int = Field(1, ge=0, description="eepo: AdamW steps that lower the likelihood of the first "
-                                    "half's responses on the temporary copy (0 = no unlearning)")
-    eepo_unlearn_lr: float = Field(1e-5, gt=0.0, description="eepo: learning rate of those steps")
-    tree_simulations: int = Field(16, ge=1, description="tree: MCTS simulations per prompt (each yields one complete "
-                                  "response; the group keeps the last rollout.samples_per_prompt of them)")
-    tree_branches: int = Field(2, ge=1, description="tree: child steps the policy samples when a node is expanded")
-    tree_step_tokens: int = Field(16, ge=1, description="tree: most tokens of one step (a step also ends after a "
-                                  "token containing a newline)")
-    tree_c_puct: float = Field(1.0, ge=0.0, description="tree: UCT exploration constant c in Q(child) + c sqrt(ln "
-                               "N(parent) / N(child))")
 
-    @model_validator(mode="after")
-    def _tree_keeps_enough(self):
-        spp = getattr(self, "samples_per_prompt", None)
-        if self.strategy == "tree" and spp is not None and self.tree_simulations < spp:
-            raise ValueError(f"rollout.tree_simulations = {self.tree_simulations} gives fewer responses than "
-                             f"rollout.samples_per_prompt = {spp}; set rollout.tree_simulations >= {spp}")
-        return self
+# the sections with method tables, and the key(s) that select a table there (docs: `rollwise config rollout`)
+METHOD_SECTIONS = {"rollout": "rollout.strategy", "algo": "algo.method ([[stage]] kind) or algo.advantage",
+                   "reward": "reward.fn"}
 
-    @field_validator("strategy")
+OPTION_MODELS: dict[tuple[str, str], type["MethodOptions"]] = {}
+
+
+class MethodOptions(BaseModel):
+    """The options of one method: `[section.name]`. Subclass with `section=` and `name=` (registers it).
+
+    `errors(cfg)` returns what cannot run across sections (e.g. more samples than the group has), checked by
+    `rollwise.validate` for a selected method; `always = True` marks a wrapper whose table is read whatever
+    the section's selector names (verifier noise, MemReward: their table turns them on)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    section: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    always: ClassVar[bool] = False
+
+    def __init_subclass__(cls, section: str = "", name: str = "", always: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if section:
+            if section not in METHOD_SECTIONS:
+                raise ValueError(f"MethodOptions section {section!r} is not one of {', '.join(METHOD_SECTIONS)}")
+            cls.section, cls.name, cls.always = section, name, always
+            OPTION_MODELS[(section, name)] = cls
+
+    @model_validator(mode="before")
     @classmethod
-    def _known_strategy(cls, name: str) -> str:
-        if name not in ROLLOUT_STRATEGY_NAMES and ":" not in name:
-            raise ValueError(f"unknown rollout strategy {name!r}; valid: {', '.join(ROLLOUT_STRATEGY_NAMES)} "
-                             "(or a plugin 'package.module:factory')")
-        return name
+    def _numbers_as_text(cls, data: Any) -> Any:
+        """`rollout.duet.marker=2024` on the command line is the text "2024" (as `run.name=2024` is)."""
+        if isinstance(data, dict):
+            data = {key: str(value) if isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and key in cls.model_fields and cls.model_fields[key].annotation in (str, str | None)
+                    else value for key, value in data.items()}
+        return data
+
+    @classmethod
+    def table(cls, cfg) -> dict[str, Any]:
+        """The table as written (`{}` when absent)."""
+        section = getattr(cfg, cls.section, cfg)  # a Config, or the section itself (rewards get `cfg.reward`)
+        return dict((section.model_extra or {}).get(cls.name) or {})
+
+    @classmethod
+    def of(cls, cfg) -> "MethodOptions":
+        """The validated options of this method in `cfg` (a `Config`); ConfigError in one line when invalid."""
+        try:
+            return cls.model_validate(cls.table(cfg))
+        except ValidationError as exc:
+            raise ConfigError(options_error(cls, exc)) from exc
+
+    def errors(self, cfg) -> list[str]:
+        return []
 
 
-class RewardMethodKeys(BaseModel):
-    """`[reward]` keys of the reward methods: CME, verifier noise, MemReward."""
-
-    # reward.fn = "cme": Cross-Model Entropy, a label-free reward from a second model (rollwise/rewards/cme.py)
-    cme_model: str | None = Field(None, description="cme: the verifier model (a local HF directory, a hub id or "
-                                  "'smollm2-135m-instruct') whose mean log-likelihood per response token is the reward")
-    cme_verifier: str | None = Field(None, description="cme: a verifier (e.g. 'arith') whose verdict is recorded as "
-                                     "`correct` for accuracy metrics and held-out evaluation, never the reward; "
-                                     "None = no verdict (accuracy reads 0)")
-    cme_batch_size: int = Field(16, ge=1, description="cme: responses scored by the verifier model in one forward")
-    # verifier noise (rollwise/rewards/noise.py): flips of the training reward, never of held-out evaluation
-    noise_fp: float = Field(0.0, ge=0.0, le=1.0, description="verifier noise: probability that an incorrect "
-                            "response is scored as correct (reward 1, correct) in training")
-    noise_fn: float = Field(0.0, ge=0.0, le=1.0, description="verifier noise: probability that a correct response "
-                            "is scored as incorrect (reward 0, not correct) in training")
-    noise_seed: int = Field(0, description="verifier noise: seed of the flips (a flip depends on the seed, the "
-                            "prompt and the response text only)")
-    # MemReward (rollwise/rewards/memreward.py): label propagation to rollouts of unlabelled prompts
-    label_fraction: float = Field(1.0, gt=0.0, le=1.0, description="memreward: share of training prompts whose "
-                                  "rollouts get the verifier's reward; the rest get rewards propagated from "
-                                  "labelled rollouts over a similarity graph; 1 = off")
-    label_seed: int = Field(0, description="memreward: seed of which prompts are labelled (fixed by seed and uid)")
+def options_error(cls: type[MethodOptions], exc: ValidationError) -> str:
+    """One line for the first problem of a method table."""
+    err = exc.errors()[0]
+    where = f"{cls.section}.{cls.name}"
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return (f"unknown key '{where}.{key}'; valid keys in [{where}]: {', '.join(cls.model_fields)}")
+    if not key:
+        return f"[{where}]: {err['msg'].removeprefix('Value error, ')}"
+    field = cls.model_fields.get(str(err["loc"][0]))
+    secret = field is not None and isinstance(field.json_schema_extra, dict) and "env" in field.json_schema_extra
+    return f"{where}.{key}: {err['msg']}; got {'***' if secret else repr(err.get('input'))}"
 
 
-class AlgoMethodKeys(BaseModel):
-    """`[algo]` keys of `algo.method` and of the methods it names (rollwise/methods/)."""
+class TablesSection(BaseModel):
+    """A config section that holds method tables besides its own keys (`[rollout.duet]`): kept as written (a
+    dict per method, `section.model_extra`), checked by the method's `MethodOptions` at validation."""
 
-    method: str = Field("rl", description="the method of a run without [[stage]] tables (rollwise.methods): rl; "
-                        "acrl, dcmdp, mipu (training-inference mismatch); hargo, echorl, progress, sgrpo, rorecomp, "
-                        "hrr, duet, "
-                        "tree, adhint (docs/seed_methods.md); or a plugin 'pkg.mod:Class'; a teacher (teacher.weights) "
-                        "makes it opd / opsd")
-    discrepancy_measure: Literal["k3", "abs_gap"] = Field(
-        "k3", description="acrl / dcmdp: the engine-vs-trainer discrepancy D of a step, on tokens of the current "
-        "version: k3 = KL(engine || trainer) estimate (mismatch/k3), abs_gap = mean |log-prob gap|")
-    discrepancy_target: float = Field(0.01, gt=0.0, description="dcmdp: the tolerance D may reach; acrl: the most D "
-                                      "the tokens an update trains on may have")
-    dual_lr: float = Field(10.0, gt=0.0, description="dcmdp: lambda <- clip(lambda + dual_lr x (D - target), 0, "
-                           "dual_max) after each step")
-    dual_max: float = Field(100.0, gt=0.0, description="dcmdp: lambda is kept at most this")
-    acrl_gain: float = Field(1.0, gt=0.0, le=1.0, description="acrl: the gap threshold moves this far (geometrically) "
-                             "toward the one fitted to the last step: 1 = take it, below 1 = smooth it")
-    acrl_threshold_max: float = Field(2.0, gt=0.0, description="acrl: the loosest (and first) threshold on a "
-                                      "token's |log-prob gap| (2.0: a probability ratio of e^2 = 7.4)")
-    acrl_threshold_min: float = Field(0.05, gt=0.0, description="acrl: the tightest threshold")
-    hargo_alpha: float = Field(1.0, ge=0.0, description="hargo: strength of the group's reward contrast D in the "
-                               "modulated advantage M = A (1 + alpha D)(1 + gamma u)")
-    hargo_gamma: float = Field(1.0, ge=0.0, description="hargo: strength of the reference-confidence surprise u")
-    hargo_temperature: float = Field(2.0, gt=0.0, description="hargo: per-response weights w = n softmax(|M| / "
-                                     "mean|M| / temperature) over the batch; larger = closer to plain GRPO (w = 1)")
-    echorl_coef: float = Field(0.1, ge=0.0, description="echorl: weight of the auxiliary NLL of the EchoClips "
-                               "(low-entropy spans of correct responses in all-success groups)")
-    echorl_clip_frac: float = Field(0.25, gt=0.0, le=1.0, description="echorl: an EchoClip's length as a fraction "
-                                    "of the response's trained tokens (the contiguous span of lowest mean entropy)")
-    tree_value_coef: float = Field(1.0, ge=0.0, le=1.0, description="tree (with rollout.strategy 'tree'): a "
-                                   "token's advantage = (1 - coef) x the outcome advantage + coef x (Q(its step) - "
-                                   "Q(the step before)), Q from the tree search; 1 = step values only")
-    progress_coef: float = Field(0.5, ge=0.0, description="progress: weight beta of the progress advantage "
-                                 "beta x sum of log(pi / pi_ref) over a step's tokens, added to the outcome advantage")
-    progress_step_tokens: int = Field(8, ge=1, description="progress: tokens per reasoning step (the response is cut "
-                                      "into steps of this many trained tokens)")
-    rorecomp_compensation_size: int = Field(16, ge=0, description="rorecomp: responses of a compensation batch "
-                                            "(from the buffer of those left out of priority batches) joined to "
-                                            "an update once the buffer holds that many; 0 = priority batches only")
-    rorecomp_max_age: int = Field(4, ge=0, description="rorecomp: buffered responses older than this many policy "
-                                  "versions are evicted")
-    hrr_weight: float = Field(1.0, gt=0.0, description="hrr: a relabelled response's advantage is hrr_weight x "
-                              "(its reward under the relabelled goal - its group's mean reward)")
-    hrr_max_per_group: int = Field(4, ge=1, description="hrr: at most this many failed responses of a group are "
-                                   "relabelled and replayed per step")
-    moa_weights: dict[str, float] = Field(default_factory=dict, description="moa: weight of each reward part "
-                                          "(by name, e.g. {correct = 1.0, format = 0.5}); each part is normalised "
-                                          "within its group before the weighted sum")
-    sgrpo_coef: float = Field(0.1, ge=0.0, description="sgrpo: weight of the set-level diversity credit added to "
-                              "the utility reward (one reply's credit can reach sets' size x D: at 0.5 it outweighs "
-                              "a 0/1 utility)")
-    sgrpo_ngram: int = Field(2, ge=1, le=8, description="sgrpo: n of the distinct token n-grams that measure a "
-                             "set's diversity")
-    sgrpo_sets: int = Field(2, ge=1, description="sgrpo: candidate sets each prompt's responses are split into "
-                            "(the supergroup); rollout.samples_per_prompt must be a multiple of it, with at least "
-                            "2 responses per set")
-    mipu_tolerance: float = Field(1e-3, ge=0.0, description="mipu: a candidate update is kept when the engine-side "
-                                  "proxy (surrogate gain - mipu_kl_coef x KL, in advantage units) is >= -tolerance; "
-                                  "else the trainer's weights and optimizer state are restored")
-    mipu_kl_coef: float = Field(1.0, ge=0.0, description="mipu: weight of the engine-side KL(sampler || candidate) "
-                                "estimate subtracted from the surrogate gain in the proxy; 0 = the bare surrogate")
-    mipu_max_rejects_in_row: int = Field(10, ge=0, description="mipu: the run stops when this many updates in a "
-                                         "row are rejected (the policy cannot move); 0 = never stop")
-    slas_power: float = Field(2.0, ge=1.0, le=8.0, description="slas (algo.advantage = 'slas'): exponent p of the "
-                              "super-linear shaping sign(a)|a|^p of the group-centred advantage before the batch "
-                              "normalisation; p > 1 amplifies large advantages over small ones, 1 = linear control")
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    @model_validator(mode="after")
-    def _slas_power_needs_slas(self) -> "AlgoMethodKeys":
-        # against the default, not model_fields_set: a saved run's config.toml writes every key (resume)
-        if self.slas_power != 2.0 and getattr(self, "advantage", "slas") != "slas":
-            raise ValueError(f"algo.slas_power is set but algo.advantage = {getattr(self, 'advantage')!r}: set "
-                             "algo.advantage = 'slas' or remove algo.slas_power")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _tables_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            section = _SECTION_OF.get(cls.__name__, cls.__name__)
+            for key, value in data.items():
+                if key in cls.model_fields or isinstance(value, dict):
+                    continue
+                raise ValueError(moved_message(section, key) or f"unknown key '{section}.{key}'; valid keys in "
+                                 f"[{section}]: {', '.join(cls.model_fields)} (and a table per method)")
+        return data
+
+
+_SECTION_OF = {"RolloutConfig": "rollout", "AlgoConfig": "algo", "RewardConfig": "reward"}
+
+
+def _moves(section: str, table: str, keys: str, prefix: str | None = None) -> dict[str, tuple[str, str]]:
+    prefix = table if prefix is None else prefix
+    return {f"{section}.{prefix}_{key}" if prefix else f"{section}.{key}": (f"{section}.{table}", key)
+            for key in keys.split()}
+
+
+# old flat key -> (its table, its key there): every method key before the tables (issue 33)
+MOVED: dict[str, tuple[str, str]] = {
+    **_moves("rollout", "rethink", "trigger fraction max_new_tokens"),
+    **_moves("rollout", "adhint", "max_ratio samples weight momentum"),
+    **_moves("rollout", "duet", "budget_tokens min_samples abort_tokens marker momentum"),
+    **_moves("rollout", "tandem", "junior segment_tokens junior_prob"),
+    **_moves("rollout", "eepo", "unlearn_steps unlearn_lr"),
+    **_moves("rollout", "tree", "simulations branches step_tokens c_puct"),
+    **_moves("reward", "cme", "model verifier batch_size"),
+    **_moves("reward", "noise", "fp fn seed"),
+    **_moves("reward", "judge", "url model api_key template max_tokens concurrency retries score_max threshold"),
+    "reward.label_fraction": ("reward.memreward", "label_fraction"),
+    "reward.label_seed": ("reward.memreward", "seed"),
+    "algo.discrepancy_measure": ("algo.acrl] or [algo.dcmdp", "measure"),
+    "algo.discrepancy_target": ("algo.acrl] or [algo.dcmdp", "target"),
+    **_moves("algo", "dcmdp", "dual_lr dual_max", prefix=""),
+    **_moves("algo", "acrl", "gain threshold_max threshold_min"),
+    **_moves("algo", "hargo", "alpha gamma temperature"),
+    **_moves("algo", "echorl", "coef clip_frac"),
+    **_moves("algo", "tree", "value_coef"),
+    **_moves("algo", "progress", "coef step_tokens"),
+    **_moves("algo", "rorecomp", "compensation_size max_age"),
+    **_moves("algo", "hrr", "weight max_per_group"),
+    **_moves("algo", "moa", "weights"),
+    **_moves("algo", "sgrpo", "coef ngram sets"),
+    **_moves("algo", "mipu", "tolerance kl_coef max_rejects_in_row"),
+    **_moves("algo", "slas", "power"),
+}
+
+
+def moved_message(section: str, key: str) -> str | None:
+    """`rollout.duet.budget_tokens moved: write [rollout.duet] budget_tokens` for an old flat key, else None."""
+    new = MOVED.get(f"{section}.{key}")
+    if new is None:
+        return None
+    table, name = new
+    return f"{section}.{key} moved: write [{table}] {name} (or {table.split(']')[0]}.{name}=... on the command line)"
+
+
+# wrappers read whenever their table is set: an old run used one only when these flat keys left their defaults
+_OLD_WRAPPER_ON = {"reward.noise": lambda old: old.get("noise_fp", 0.0) or old.get("noise_fn", 0.0),
+                   "reward.memreward": lambda old: old.get("label_fraction", 1.0) < 1.0}
+
+
+def migrate_flat_keys(data: dict[str, Any]) -> list[str]:
+    """A run directory's own config.toml written before the method tables (every flat method key, most at their
+    defaults), read in the new form, in place: the keys of the method the run selected move into its table, the
+    keys of methods it did not select (which had no effect on it) are dropped. Returns the note lines (none when
+    there was nothing to move). Only for the file a run wrote; a recipe with a flat key fails (`moved_message`)."""
+    moved, dropped = [], 0
+    for section in METHOD_SECTIONS:
+        body = data.get(section)
+        if not isinstance(body, dict):
+            continue
+        old = {key: body[key] for key in list(body) if f"{section}.{key}" in MOVED}
+        for key, value in old.items():
+            del body[key]
+            table, name = MOVED[f"{section}.{key}"]
+            table = _selected_table(table, body, old)
+            if table is None:
+                dropped += 1
+                continue
+            body.setdefault(table.split(".", 1)[1], {})[name] = value
+            moved.append(f"{section}.{key} -> [{table}] {name}")
+    if not moved and not dropped:
+        return []
+    return [f"rollwise: this run's config.toml predates method tables: {len(moved)} key(s) read in their table"
+            f"{' (' + ', '.join(moved) + ')' if moved else ''}, {dropped} of methods the run did not use left out"]
+
+
+def _selected_table(table: str, body: dict[str, Any], old: dict[str, Any]) -> str | None:
+    """`table` ("rollout.duet") when the old run used that method (its selector named it, or a wrapper's keys
+    turned it on), else None; the shared acrl/dcmdp keys go to whichever of the two `algo.method` names."""
+    section = table.split(".", 1)[0]
+    if "] or [" in table:  # algo.discrepancy_*: [algo.acrl] or [algo.dcmdp]
+        method = body.get("method")
+        return f"algo.{method}" if method in ("acrl", "dcmdp") else None
+    if table in _OLD_WRAPPER_ON:
+        return table if _OLD_WRAPPER_ON[table](old) else None
+    name = table.split(".", 1)[1]
+    selectors = {"rollout": [body.get("strategy", "plain")], "algo": [body.get("method"), body.get("advantage")],
+                 "reward": [body.get("fn")]}[section]
+    return table if name in selectors else None

@@ -75,6 +75,11 @@ def switch_task(recipe: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict
         if (sec, key) not in given and key in (recipe.get(sec) or {}):
             del merged[sec][key]
             dropped.append(f"{sec}.{key}")
+            selected = recipe[sec][key]  # reward.fn = "cme": its [reward.cme] table is bound to the task too
+            if isinstance(selected, str) and isinstance((recipe.get(sec) or {}).get(selected), dict) \
+                    and (sec, selected) not in given:
+                del merged[sec][selected]
+                dropped.append(f"[{sec}.{selected}]")
     if "path" in (overrides.get("data") or {}) and "task" in (recipe.get("data") or {}) and ("data", "task") not in given:
         del merged["data"]["task"]  # a file named on the command line is not the recipe's task
     own = {k: v for k, v in task_defaults(after).items() if k not in given}
@@ -94,14 +99,28 @@ def _names_task(recipe: dict[str, Any], overrides: dict[str, Any]) -> bool:
 
 
 def merge_overrides(recipe: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `recipe` with the `overrides` tables laid over it, key by key."""
+    """A copy of `recipe` with the `overrides` tables laid over it, key by key; a method's table
+    (`rollout.duet.budget_tokens=3`) key by key too, over the recipe's `[rollout.duet]`."""
     merged = copy.deepcopy(recipe)
     for sec, body in overrides.items():
         if isinstance(body, dict):
-            merged.setdefault(sec, {}).update(copy.deepcopy(body))
+            section = merged.setdefault(sec, {})
+            for key, value in body.items():
+                if _is_method_table(sec, key) and isinstance(value, dict) and isinstance(section.get(key), dict):
+                    section[key] = {**section[key], **copy.deepcopy(value)}
+                else:
+                    section[key] = copy.deepcopy(value)
         else:
             merged[sec] = copy.deepcopy(body)
     return merged
+
+
+def _is_method_table(sec: str, key: str) -> bool:
+    """`[sec.key]` is a method's table (rollwise.config_methods), not a key of the section itself."""
+    from rollwise.config import Config
+    from rollwise.config_methods import METHOD_SECTIONS
+
+    return sec in METHOD_SECTIONS and key not in Config.model_fields[sec].annotation.model_fields
 
 
 def _notes(before: str, after: str, dropped: list[str], own: dict, tuned: dict) -> list[str]:

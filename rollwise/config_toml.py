@@ -25,7 +25,15 @@ def to_toml(cfg) -> str:
             if env is not None and body[key] is not None:
                 body[key] = _Comment(f"{SECRET_MASK} (a secret, never written: give it as ${env} or "
                                      f"{sec}.{key}=...)")
+        tables = {name: body.pop(name) for name in (getattr(cfg, sec).model_extra or {})}  # [rollout.duet]
         out += [f"[{sec}]", *_table(body), ""]
+        for name, table in tables.items():
+            for key in table:
+                env = secrets.get(f"{sec}.{name}.{key}")
+                if env is not None and table[key] is not None:
+                    table[key] = _Comment(f"{SECRET_MASK} (a secret, never written: give it as ${env} or "
+                                          f"{sec}.{name}.{key}=...)")
+            out += [f"[{sec}.{_toml_key(name)}]", *_table(table), ""]
     for stage in stages:
         out += ["[[stage]]", *_table(stage), ""]
     return "\n".join(out)

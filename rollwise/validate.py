@@ -4,6 +4,7 @@
 
 - keys that contradict each other (`run_errors`: off-policy sources without a correction, engines and
   transports that do not fit, scale-out combinations);
+- method tables (`option_errors`: `[rollout.duet]`, `[algo.hargo]`, `[reward.cme]`; rollwise.config_methods);
 - methods and stages (`rollwise.methods.checks`: teachers, `[[stage]]` tables, SFT data, TRB);
 - registry names and plugins, data files, optional extras, the sandbox (`rollwise.names`).
 
@@ -30,8 +31,10 @@ def validate(cfg: Config) -> Config:
     from rollwise.methods.checks import method_errors
     from rollwise.names import resolve_names
 
-    resolve_engine(cfg, lambda c: run_errors(c) + method_errors(c))  # rollout.engine = "auto" made concrete
-    errors = run_errors(cfg) + method_errors(cfg)
+    errors = option_errors(cfg)  # the selected methods' tables first: the rest reads them
+    if not errors:
+        resolve_engine(cfg, lambda c: run_errors(c) + method_errors(c))  # rollout.engine = "auto" made concrete
+        errors = run_errors(cfg) + method_errors(cfg)
     if errors:
         raise ConfigError(errors[0])
     resolve_names(cfg)
@@ -185,3 +188,89 @@ def _tracker_errors(cfg: Config) -> list[str]:
 
     return [f"run.trackers: '{name}' is not installed; pip install 'rollwise[{name}]'"
             for name in cfg.run.trackers if name != "jsonl" and importlib.util.find_spec(name) is None]
+
+
+def option_errors(cfg: Config) -> list[str]:
+    """The method tables (rollwise.config_methods): the table of every method the run selects is valid and fits
+    the run (its `errors(cfg)`), and no table is set for a method the run does not select. Each selected table
+    is then written out in full (every key with its value), so `--dry-run` and config.toml show it."""
+    from rollwise.config_methods import METHOD_SECTIONS, OPTION_MODELS
+
+    try:
+        selected = _selected_methods(cfg)
+    except (KeyError, ValueError) as exc:
+        return [str(exc).strip("'\"")]
+    errors: list[str] = []
+    for sec in METHOD_SECTIONS:
+        section = getattr(cfg, sec)
+        for name in list(section.model_extra or {}):
+            entry = selected.get((sec, name))
+            model = entry[1] if entry is not None else OPTION_MODELS.get((sec, name))
+            if entry is None and not (model is not None and model.always):
+                errors.append(f"[{sec}.{name}] is set but {_selection(cfg, sec)}: select {name!r} there, or remove "
+                              f"[{sec}.{name}]")
+            elif model is None:
+                errors.append(f"[{sec}.{name}]: {entry[0]} {name!r} takes no options; remove [{sec}.{name}]")
+        wrappers = {(sec, name): ("", model) for (sec, name), model in OPTION_MODELS.items()
+                    if model.always and name in (section.model_extra or {})}
+        for (s, name), (_, model) in {**wrappers, **selected}.items():
+            if s != sec or model is None:
+                continue
+            try:
+                options = model.of(cfg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+                continue
+            errors += options.errors(cfg)
+            if not errors:
+                setattr(section, name, options.model_dump())  # a secret stays a SecretStr (masked in dumps)
+    return errors
+
+
+def _selected_methods(cfg: Config) -> dict[tuple[str, str], tuple[str, type | None]]:
+    """`(section, name) -> (the key that selects it, its options model or None)` of every method of the run:
+    rollout.strategy; the stages' kinds (algo.method) and algo.advantage; reward.fn and the mixture's rewards."""
+    import rollwise.rewards.memreward  # noqa: F401  (reward wrappers: their tables register with them)
+    import rollwise.rewards.noise  # noqa: F401
+    from rollwise import algo
+    from rollwise.methods.checks import method_classes
+    from rollwise.rewards import get_reward_fn
+    from rollwise.rollout_strategies import ROLLOUT_STRATEGIES
+
+    out: dict[tuple[str, str], tuple[str, type | None]] = {}
+    strategy = ROLLOUT_STRATEGIES.get(cfg.rollout.strategy)
+    out[("rollout", cfg.rollout.strategy)] = ("rollout.strategy", getattr(strategy, "options", None))
+    try:
+        kinds = method_classes(cfg)
+    except (KeyError, ValueError):
+        kinds = []  # an unknown kind: the names check says so
+    for kind, cls in kinds:
+        out[("algo", kind)] = ("algo.method", getattr(cls, "options", None))
+    advantage = cfg.algo.advantage
+    for registry in (algo.ADVANTAGES, algo.TOKEN_ADVANTAGES):
+        if advantage in registry.names() or (":" in advantage and registry is algo.ADVANTAGES):
+            try:
+                fn = registry.get(advantage)
+            except (KeyError, ValueError):
+                break
+            if ("algo", advantage) not in out or out[("algo", advantage)][1] is None:
+                out[("algo", advantage)] = ("algo.advantage", getattr(fn, "options", None))
+            break
+    for name in {cfg.reward.fn, *(s.reward for s in cfg.data.mix)} - {None}:
+        try:
+            fn = get_reward_fn(name)
+        except Exception:
+            continue  # an unknown reward: the names check says so
+        out[("reward", name)] = ("reward.fn", getattr(fn, "options", None))
+    return out
+
+
+def _selection(cfg: Config, sec: str) -> str:
+    """What selects a method in section `sec` now (for the message about a table no method reads)."""
+    if sec == "rollout":
+        return f"rollout.strategy = {cfg.rollout.strategy!r}"
+    if sec == "reward":
+        return f"reward.fn = {cfg.reward.fn!r}"
+    kinds = [s.kind for s in cfg.stage]
+    methods = f"the [[stage]] kinds are {kinds}" if kinds else f"algo.method = {cfg.algo.method!r}"
+    return f"{methods} and algo.advantage = {cfg.algo.advantage!r}"

@@ -1,4 +1,4 @@
-"""The architectures users bring, as a tested guarantee (README "Architectures").
+"""The architectures users bring, as a tested guarantee (docs/guide.md "Architectures and chat templates").
 
 For each tiny random model of `helpers_model.ARCHITECTURES` (saved as a local HF directory with the tiny
 tokenizer and loaded the way a run loads it):

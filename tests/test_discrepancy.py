@@ -24,8 +24,9 @@ TARGET = 5e-4
 # an fp8 engine against an fp32 trainer on a tiny model whose head is scaled up (sharper policy, a real gap:
 # mismatch/k3 about 1.5e-3 at step 1)
 RUN = {"train.steps": 8, "eval.n": 0, "reward.fn": "toy_plugins:even_id_fraction", "train.lr": 3e-4,
-       "rollout.max_new_tokens": 16, "rollout.engine_options": {"weight_quant": "fp8"},
-       "algo.discrepancy_target": TARGET, "algo.acrl_threshold_min": 0.02}
+       "rollout.max_new_tokens": 16, "rollout.engine_options": {"weight_quant": "fp8"}}
+# each method's own table ([algo.acrl], [algo.dcmdp]): only the run's method reads one
+TABLES = {"acrl": {"algo.acrl.target": TARGET, "algo.acrl.threshold_min": 0.02}, "dcmdp": {"algo.dcmdp.target": TARGET}}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def sharp_model_dir(tmp_path_factory):
 
 
 def _train_rows(model_dir, run_dir, resume=False, **overrides) -> list[dict]:
-    cfg = tiny_config(model_dir, **{**RUN, **overrides})
+    cfg = tiny_config(model_dir, **{**RUN, **TABLES.get(overrides.get("algo.method"), {}), **overrides})
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         train(cfg, run_dir, resume=resume)
     return [r for r in read_rows(run_dir) if r["kind"] == "train"]
@@ -143,8 +144,8 @@ def test_acrl_brings_the_trained_discrepancy_back_under_the_target_where_plain_r
 def test_dcmdp_lambda_follows_dual_ascent_on_the_logged_discrepancy(tmp_path, sharp_model_dir):
     """`mismatch/lambda` of step t+1 = clip(lambda_t + dual_lr (D_t - target), 0, dual_max) on the logged D: it
     rises while D is above the tolerance and falls back to 0 inside it; a positive lambda changes the update."""
-    rows = _train_rows(sharp_model_dir, tmp_path / "dcmdp", **{"algo.method": "dcmdp", "algo.dual_lr": 1000.0,
-                                                                "algo.dual_max": 0.8})
+    rows = _train_rows(sharp_model_dir, tmp_path / "dcmdp", **{"algo.method": "dcmdp", "algo.dcmdp.dual_lr": 1000.0,
+                                                                "algo.dcmdp.dual_max": 0.8})
     plain = _train_rows(sharp_model_dir, tmp_path / "rl")
     assert rows[0]["mismatch/lambda"] == 0.0
     for before, after in zip(rows, rows[1:]):
@@ -215,7 +216,7 @@ def test_both_names_resolve_at_dry_run(tiny_model_dir, method):
 @pytest.mark.parametrize("overrides, message", [
     ({"algo.method": "dcmpd"}, "algo.method = 'dcmpd' is not a known method"),
     ({"algo.method": "acrl", "train.old_logprobs": "behaviour"}, "set train.old_logprobs = 'recompute'"),
-    ({"algo.method": "acrl", "algo.acrl_threshold_min": 3.0}, "algo.acrl_threshold_min = 3 is above"),
+    ({"algo.method": "acrl", "algo.acrl.threshold_min": 3.0}, "algo.acrl.threshold_min = 3 is above"),
     ({"rollout.engine_options": {"weight_quant": "int4"}}, "weight_quant = 'int4' is not one of int8, fp8"),
     ({"rollout.engine_options": {"weight_quant": "int8"}, "control.mode": "async", "algo.is_correction": "tis_token"},
      "weight_quant is not applied by the async engine process"),

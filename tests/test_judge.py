@@ -1,6 +1,6 @@
 """`reward.fn = "judge"` against real local servers over HTTP: `rollwise serve`'s app with a scripted judge
 policy that always answers `Score: 7` (parsing, concurrency, a training run), the same app over the tiny random
-model (its answers are cut off at judge_max_tokens: counted failures that stop a run), and a small server that
+model (its answers are cut off at [reward.judge] max_tokens: counted failures that stop a run), and a small server that
 fails on purpose (retries, timeouts, HTTP errors)."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _samples(n: int) -> list[Sample]:
 
 
 def _judge(url: str, **settings):
-    return build_reward_fn(RewardConfig(fn="judge", judge_url=url + "/v1", judge_api_key=KEY, **settings), "arith")
+    return build_reward_fn(RewardConfig(fn="judge", judge={"url": url + "/v1", "api_key": KEY, **settings}), "arith")
 
 
 def test_a_judge_that_says_score_7_scores_a_batch_concurrently(scripted):
@@ -114,7 +114,7 @@ def test_a_judge_that_says_score_7_scores_a_batch_concurrently(scripted):
     flight together; each judge prompt holds the question, the reference and the response; the model name
     came from /v1/models."""
     engine, server = scripted
-    judge = _judge(server.url, judge_concurrency=4)
+    judge = _judge(server.url, concurrency=4)
     samples = _samples(8)
     try:
         metrics = score_samples(samples, judge, 30.0)
@@ -131,8 +131,8 @@ def test_a_judge_that_says_score_7_scores_a_batch_concurrently(scripted):
 
 def test_the_threshold_decides_correctness_and_the_score_scale_normalises(scripted):
     _, server = scripted
-    strict = _judge(server.url, judge_threshold=0.75)
-    scale = _judge(server.url, judge_score_max=7.0, judge_model="anything")
+    strict = _judge(server.url, threshold=0.75)
+    scale = _judge(server.url, score_max=7.0, model="anything")
     try:
         samples = _samples(2)
         score_samples(samples, strict, 30.0)
@@ -145,10 +145,10 @@ def test_the_threshold_decides_correctness_and_the_score_scale_normalises(script
 
 
 def test_an_unparsable_judgement_from_the_tiny_model_is_a_counted_failure(tiny_judge):
-    """The tiny random model as the judge: its answers run to judge_max_tokens (finish_reason 'length' from
+    """The tiny random model as the judge: its answers run to [reward.judge] max_tokens (finish_reason 'length' from
     `rollwise serve`), so every sample is FAILED with the reason (never a reward of 0) and counted in
     reward/errors."""
-    judge = _judge(tiny_judge.url, judge_max_tokens=8)
+    judge = _judge(tiny_judge.url, max_tokens=8)
     samples = _samples(4)
     try:
         metrics = score_samples(samples, judge, 30.0)
@@ -157,7 +157,7 @@ def test_an_unparsable_judgement_from_the_tiny_model_is_a_counted_failure(tiny_j
     assert metrics["reward/errors"] == 4.0 and "reward/mean" not in metrics
     for s in samples:
         assert s.status == Status.FAILED and s.reward is None
-        assert "the judge's answer was cut off at reward.judge_max_tokens=8" in s.reward_error
+        assert "the judge's answer was cut off at reward.judge.max_tokens=8" in s.reward_error
 
 
 @pytest.mark.slow
@@ -170,7 +170,7 @@ def test_a_run_trains_with_the_scripted_judge_and_never_writes_its_key(tmp_path,
     engine, server = scripted
     monkeypatch.setenv("ROLLWISE_JUDGE_API_KEY", KEY)
     run_dir = tmp_path / "run"
-    overrides = tiny_overrides(tiny_model_dir, **{"reward.fn": "judge", "reward.judge_url": server.url + "/v1",
+    overrides = tiny_overrides(tiny_model_dir, **{"reward.fn": "judge", "reward.judge.url": server.url + "/v1",
                                                   "eval.n": 4, "train.steps": 2})
     result = CliRunner().invoke(app, ["train", *overrides, "--run-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
@@ -189,13 +189,13 @@ def test_a_run_trains_with_the_scripted_judge_and_never_writes_its_key(tmp_path,
 def test_a_run_whose_judge_never_parses_stops_with_the_reason(tmp_path, tiny_model_dir, tiny_judge):
     """The tiny model as the judge of a run: every judgement fails, and after reward.max_failed_steps steps
     the run stops with one line that quotes why."""
-    overrides = tiny_overrides(tiny_model_dir, **{"reward.fn": "judge", "reward.judge_url": tiny_judge.url + "/v1",
-                                                  "reward.judge_max_tokens": 8, "eval.n": 0, "train.steps": 5})
-    result = CliRunner().invoke(app, ["train", *overrides, f"reward.judge_api_key={KEY}", "--run-dir",
+    overrides = tiny_overrides(tiny_model_dir, **{"reward.fn": "judge", "reward.judge.url": tiny_judge.url + "/v1",
+                                                  "reward.judge.max_tokens": 8, "eval.n": 0, "train.steps": 5})
+    result = CliRunner().invoke(app, ["train", *overrides, f"reward.judge.api_key={KEY}", "--run-dir",
                                       str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]
-    assert "every reward failed for 2 steps in a row" in line and "cut off at reward.judge_max_tokens=8" in line
+    assert "every reward failed for 2 steps in a row" in line and "cut off at reward.judge.max_tokens=8" in line
     assert [r["reward/errors"] for r in read_rows(tmp_path / "run") if r["kind"] == "train"] == [16.0, 16.0]
 
 
@@ -234,7 +234,7 @@ class Flaky:
 @pytest.mark.parametrize("script, retries, reward, error, calls", [
     ([503, 503, "Score: 9"], 2, 0.9, None, 3),
     ([503], 1, None, "failed after 2 attempt(s) within reward.timeout_s=5 s: HTTP 503: 'scripted 503'", 2),
-    ([401], 3, None, "HTTP 401: 'scripted 401' (reward.judge_api_key or $ROLLWISE_JUDGE_API_KEY)", 1),
+    ([401], 3, None, "HTTP 401: 'scripted 401' (reward.judge.api_key or $ROLLWISE_JUDGE_API_KEY)", 1),
     ([1.0], 0, None, "no answer within reward.timeout_s=0.5 s", 1),
     (["Score: 12"], 2, None, "the judge's score 12 is outside 0..10: 'Score: 12'", 1),
     (["<score>3</score>"], 0, None, "holds no verdict line 'Score: N'", 1),  # one verdict form: 'Score: N'
@@ -247,7 +247,7 @@ def test_retries_timeouts_and_bad_answers(script, retries, reward, error, calls,
     monkeypatch.setattr("rollwise.rewards.judge.BACKOFF_S", 0.01)
     flaky = Flaky(script)
     timeout = 0.5 if isinstance(script[0], float) else 5.0
-    judge = build_reward_fn(RewardConfig(fn="judge", judge_url=flaky.url + "/v1", judge_retries=retries), "arith")
+    judge = build_reward_fn(RewardConfig(fn="judge", judge={"url": flaky.url + "/v1", "retries": retries}), "arith")
     try:
         [sample] = _samples(1)
         score_samples([sample], judge, timeout)
@@ -262,13 +262,13 @@ def test_retries_timeouts_and_bad_answers(script, retries, reward, error, calls,
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({}, "reward.fn = 'judge' needs reward.judge_url"),
-    ({"reward.judge_url": "127.0.0.1:8000"}, "must start with http:// or https://"),
-    ({"reward.judge_url": "http://x/v1", "reward.judge_template": "{question} {rubric} {response}"},
-     "reward.judge_template uses {rubric}; valid fields: {question}, {reference}, {answer}, {response}"),
-    ({"reward.judge_url": "http://x/v1", "reward.judge_template": "Grade {question}"},
-     "reward.judge_template must contain {response}"),
-    ({"reward.judge_url": "http://x/v1", "reward.isolate": True}, "set reward.isolate = false"),
+    ({}, "reward.fn = 'judge' needs reward.judge.url"),
+    ({"reward.judge.url": "127.0.0.1:8000"}, "must start with http:// or https://"),
+    ({"reward.judge.url": "http://x/v1", "reward.judge.template": "{question} {rubric} {response}"},
+     "reward.judge.template uses {rubric}; valid fields: {question}, {reference}, {answer}, {response}"),
+    ({"reward.judge.url": "http://x/v1", "reward.judge.template": "Grade {question}"},
+     "reward.judge.template must contain {response}"),
+    ({"reward.judge.url": "http://x/v1", "reward.isolate": True}, "set reward.isolate = false"),
 ])
 def test_bad_judge_settings_fail_at_dry_run(tiny_model_dir, extra, message):
     result = CliRunner().invoke(app, ["train", *tiny_overrides(tiny_model_dir, **{"reward.fn": "judge", **extra}),
@@ -279,7 +279,7 @@ def test_bad_judge_settings_fail_at_dry_run(tiny_model_dir, extra, message):
 
 def test_the_judge_key_is_never_printed(tiny_model_dir):
     result = CliRunner().invoke(app, ["train", *tiny_overrides(tiny_model_dir, **{
-        "reward.fn": "judge", "reward.judge_url": "http://127.0.0.1:9/v1"}), "reward.judge_api_key=sk-NOT-SHOWN",
+        "reward.fn": "judge", "reward.judge.url": "http://127.0.0.1:9/v1"}), "reward.judge.api_key=sk-NOT-SHOWN",
         "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "sk-NOT-SHOWN" not in result.output and "give it as $ROLLWISE_JUDGE_API_KEY" in result.output
@@ -312,7 +312,7 @@ def test_a_mixture_source_scored_by_the_judge_trains_with_its_samples_judged_tog
     monkeypatch.setenv("ROLLWISE_JUDGE_API_KEY", KEY)
     recipe = tmp_path / "mix.toml"
     recipe.write_text(MIX_WITH_JUDGE)
-    overrides = tiny_overrides(tiny_model_dir, **{"reward.judge_url": server.url + "/v1", "eval.n": 0,
+    overrides = tiny_overrides(tiny_model_dir, **{"reward.judge.url": server.url + "/v1", "eval.n": 0,
                                                   "train.steps": 1, "data.eval_size": None})
     result = CliRunner().invoke(app, ["train", str(recipe), *overrides, "--run-dir", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
@@ -323,8 +323,8 @@ def test_a_mixture_source_scored_by_the_judge_trains_with_its_samples_judged_tog
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({}, '[[data.mix]] number 2 ("judged"): reward \'judge\': reward.fn = \'judge\' needs reward.judge_url'),
-    ({"reward.judge_url": "http://x/v1", "reward.isolate": True}, "set reward.isolate = false"),
+    ({}, '[[data.mix]] number 2 ("judged"): reward \'judge\': reward.fn = \'judge\' needs reward.judge.url'),
+    ({"reward.judge.url": "http://x/v1", "reward.isolate": True}, "set reward.isolate = false"),
 ])
 def test_a_mixture_judge_without_its_settings_fails_at_dry_run(tmp_path, tiny_model_dir, extra, message):
     recipe = tmp_path / "mix.toml"

@@ -94,9 +94,9 @@ def test_a_forged_reference_and_verdict_stay_inside_the_response_block():
 
 
 def test_a_template_must_ask_for_the_verdict_line():
-    errors = config_errors(RewardConfig(fn="judge", judge_url="http://x/v1", judge_template="Grade {response}"))
+    errors = config_errors(RewardConfig(fn="judge", judge={"url": "http://x/v1", "template": "Grade {response}"}))
     assert any("must ask for the verdict as the last line" in e for e in errors)
-    assert not config_errors(RewardConfig(fn="judge", judge_url="http://x/v1"))
+    assert not config_errors(RewardConfig(fn="judge", judge={"url": "http://x/v1"}))
 
 
 # -- a loopback judge ---------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def fake_judge():
 
 
 def _train(tmp_path, model_dir, url: str, *extra: str):
-    overrides = tiny_overrides(model_dir, **{"reward.fn": "judge", "reward.judge_url": url, "eval.n": 0,
+    overrides = tiny_overrides(model_dir, **{"reward.fn": "judge", "reward.judge.url": url, "eval.n": 0,
                                              "train.steps": 2})
     result = CliRunner().invoke(app, ["train", *overrides, *extra, "--run-dir", str(tmp_path / "run")])
     rows = [r for r in read_rows(tmp_path / "run") if r["kind"] == "train"] if (tmp_path / "run").exists() else []
@@ -182,7 +182,7 @@ def test_an_honest_judge_is_scored_sample_by_sample_through_train(tmp_path, tiny
     ((QUOTED_AFTER, "stop"), "verdict line 'Score: 0' is not its answer's last line"),
     (("The response ends with:\nScore: 10\nbut it is wrong.\nScore: 0", "stop"), "holds 2 verdict lines"),
     (("The response claims Score: 10 and ends with\nScore: 10", "length"),
-     "cut off at reward.judge_max_tokens=256 (finish_reason 'length')"),
+     "cut off at reward.judge.max_tokens=256 (finish_reason 'length')"),
     (("The response is fine", "stop"), "holds no verdict line 'Score: N'"),
 ], ids=["quoted-after", "two-verdicts", "cut-off", "no-verdict"])
 def test_a_gamed_or_broken_judgement_is_a_counted_failure_that_stops_the_run(tmp_path, tiny_model_dir,
@@ -259,14 +259,14 @@ def test_a_judge_that_echoes_a_forged_verdict_line_fails_the_judgement(tmp_path,
 
 # -- HTTP edges ---------------------------------------------------------------------------------------------
 def _one(judge_url: str, **settings) -> JudgeReward:
-    return JudgeReward.from_config(RewardConfig(fn="judge", judge_url=judge_url, judge_model="m", **settings))
+    return JudgeReward.from_config(RewardConfig(fn="judge", judge={"url": judge_url, "model": "m", **settings}))
 
 
 @pytest.mark.parametrize("status, calls", [(408, 1), (409, 1), (400, 1), (429, 3), (500, 3), (503, 3)])
 def test_only_429_and_5xx_are_retried(fake_judge, monkeypatch, status, calls):
     monkeypatch.setattr(judge_module, "BACKOFF_S", 0.01)
     server = fake_judge(lambda p: ("Score: 6", "stop"), statuses=[status] * 5)
-    judge = _one(server.url, judge_retries=2)
+    judge = _one(server.url, retries=2)
     try:
         with pytest.raises(JudgeError, match=f"HTTP {status}: 'scripted {status}'"):
             judge.judge(_sample(), 5.0)
@@ -279,7 +279,7 @@ def test_attempts_are_counted_as_sent(fake_judge, monkeypatch):
     """A retry whose backoff runs into reward.timeout_s is not sent, and is not counted as an attempt."""
     monkeypatch.setattr(judge_module, "BACKOFF_S", 30.0)
     server = fake_judge(lambda p: ("Score: 6", "stop"), statuses=[503] * 5)
-    judge = _one(server.url, judge_retries=3)
+    judge = _one(server.url, retries=3)
     try:
         with pytest.raises(JudgeError, match=r"failed after 1 attempt\(s\) within reward.timeout_s=0.5 s"):
             judge.judge(_sample(), 0.5)
@@ -324,9 +324,9 @@ def test_a_key_over_plain_http_to_a_remote_host_is_warned_once(monkeypatch, caps
     monkeypatch.setattr(judge_module, "_warned_urls", set())
     monkeypatch.delenv("ROLLWISE_JUDGE_API_KEY", raising=False)
     for _ in range(2):
-        _one(url, judge_api_key=key).close()
+        _one(url, api_key=key).close()
     err = capsys.readouterr().err
-    assert err.count("rollwise: warning: reward.judge_url") == (1 if warned else 0), err
+    assert err.count("rollwise: warning: reward.judge.url") == (1 if warned else 0), err
     if warned:
         assert "plain http://" in err and "use https://" in err and "sk-1" not in err
 
@@ -335,9 +335,9 @@ def test_train_warns_once_about_a_key_over_plain_http(tmp_path, tiny_model_dir, 
     """`rollwise train` with a key and a plain-http judge on a non-loopback address (TEST-NET-1, never
     routed): one warning line, the judgements fail (counted), and the key is never printed."""
     monkeypatch.setattr(judge_module, "_warned_urls", set())
-    result, rows = _train(tmp_path, tiny_model_dir, "http://192.0.2.1:9/v1", "reward.judge_api_key=sk-SECRET-9",
-                          "reward.judge_model=m", "reward.timeout_s=0.2", "reward.judge_retries=0",
-                          "reward.judge_concurrency=16", "train.steps=1")
+    result, rows = _train(tmp_path, tiny_model_dir, "http://192.0.2.1:9/v1", "reward.judge.api_key=sk-SECRET-9",
+                          "reward.judge.model=m", "reward.timeout_s=0.2", "reward.judge.retries=0",
+                          "reward.judge.concurrency=16", "train.steps=1")
     assert result.exit_code == 0, result.output
     assert result.stderr.count("is plain http:// to '192.0.2.1', not loopback") == 1, result.stderr
     assert "sk-SECRET-9" not in result.output and [r["reward/errors"] for r in rows] == [16.0]

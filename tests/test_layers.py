@@ -26,7 +26,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     4: ("sync", "cluster", "rollout", "distill", "methods", "serve.client", "agents"),
     5: ("control", "replay", "evaluate", "advantages", "early_stop", "rollout_strategies", "relex", "decode"),
     6: ("build", "session", "validate", "names", "record"),
-    7: ("loop", "cli", "evaluate_cli", "interrupt", "serve", "trajval"),
+    7: ("loop", "cli", "evaluate_cli", "interrupt", "serve", "trajval", "config_reference"),
 }
 LAYER = {unit: layer for layer, units in LAYERS.items() for unit in units}
 # Modules that are units of their own, apart from the package that holds them.

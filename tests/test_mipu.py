@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from conftest import read_rows, tiny_config, tiny_overrides
 from rollwise.cli import app
+from rollwise.config import Config
 from rollwise.generate.base import EngineCaps
 from rollwise.loop import train
 from rollwise.methods import METHODS, MethodSetup, Stage, StepInput
@@ -77,8 +78,9 @@ def _stub(tolerance=0.0, kl_coef=0.0, max_rejects=0):
     trainer = SimpleNamespace(optimizer=optimizer, version=0, model=model)
     pushed = []
     sync = SimpleNamespace(engine=StubEngine(model), push=lambda v: pushed.append(v))
-    algo = SimpleNamespace(mipu_tolerance=tolerance, mipu_kl_coef=kl_coef, mipu_max_rejects_in_row=max_rejects)
-    method = METHODS.get("mipu")(MethodSetup(SimpleNamespace(algo=algo), trainer=trainer, sync=sync))
+    cfg = Config.model_validate({"algo": {"method": "mipu", "mipu": {
+        "tolerance": tolerance, "kl_coef": kl_coef, "max_rejects_in_row": max_rejects}}})
+    method = METHODS.get("mipu")(MethodSetup(cfg, trainer=trainer, sync=sync))
     sample = SimpleNamespace(prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1, 1], advantage=1.0,
                              full_logprobs=[], behaviour_logprobs=[math.log(0.5)] * 2)
     return method, trainer, model, sample, pushed
@@ -116,7 +118,7 @@ def test_the_tolerance_admits_a_small_loss_and_repeated_rejections_stop_the_run(
     assert _step(method, trainer, model, sample, -1.0)["mipu/accepted"] == 1.0
     method, trainer, model, sample, _ = _stub(max_rejects=2)
     _step(method, trainer, model, sample, -1.0)
-    with pytest.raises(MIPURejectError, match="algo.mipu_max_rejects_in_row = 2"):
+    with pytest.raises(MIPURejectError, match="algo.mipu.max_rejects_in_row = 2"):
         _step(method, trainer, model, sample, -1.0)
 
 
@@ -135,7 +137,7 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_a_ruinous_update_is_rejected_and_the_weights_stay_bit_identical(tiny_model_dir, tmp_path):
-    rows = _run(tiny_model_dir, tmp_path / "bad", **{"train.lr": 1.0, "algo.mipu_max_rejects_in_row": 0})
+    rows = _run(tiny_model_dir, tmp_path / "bad", **{"train.lr": 1.0, "algo.mipu.max_rejects_in_row": 0})
     assert [r["mipu/accepted"] for r in rows] == [0.0, 0.0]
     assert rows[-1]["mipu/rejected_steps"] == 2.0 and all(r["mipu/proxy"] < -1e-3 for r in rows)
     assert all(r["mipu/tokens"] > 0 and r["train/grad_norm"] > 0 for r in rows)  # an update was made, then undone
@@ -145,7 +147,7 @@ def test_a_ruinous_update_is_rejected_and_the_weights_stay_bit_identical(tiny_mo
 
 @pytest.mark.slow
 def test_a_candidate_that_fails_its_sync_check_on_an_int8_engine_is_rejected_not_fatal(tiny_model_dir, tmp_path):
-    rows = _run(tiny_model_dir, tmp_path / "int8", **{"train.lr": 1.0, "algo.mipu_max_rejects_in_row": 0,
+    rows = _run(tiny_model_dir, tmp_path / "int8", **{"train.lr": 1.0, "algo.mipu.max_rejects_in_row": 0,
                                                         "rollout.engine_options": {"weight_quant": "int8"}})
     assert [r["mipu/accepted"] for r in rows] == [0.0, 0.0]
     assert any(r["mipu/sync_rejected"] == 1.0 and "mipu/proxy" not in r for r in rows)
@@ -177,7 +179,7 @@ def test_the_name_resolves_at_dry_run(tiny_model_dir):
     ({"train.old_logprobs": "recompute"}, "set train.old_logprobs = 'behaviour'"),
     ({"rollout.temperature": 0.8}, "set rollout.temperature = 1.0 (it is 0.8)"),
     ({"control.mode": "async", "control.max_staleness": 0}, "set control.mode = 'sync'"),
-    ({"algo.mipu_tolerance": -1.0}, "mipu_tolerance"),
+    ({"algo.mipu.tolerance": -1.0}, "algo.mipu.tolerance"),
 ])
 def test_bad_settings_fail_at_dry_run_with_one_line(tiny_model_dir, overrides, message):
     result = _dry_run(tiny_model_dir, **{**BASE, **overrides})

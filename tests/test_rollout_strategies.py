@@ -19,7 +19,6 @@ from conftest import read_rows, tiny_config, tiny_overrides
 from helpers_model import tiny_llama
 from helpers_tokenizer import tiny_tokenizer
 from rollwise.cli import app
-from rollwise.config import ROLLOUT_STRATEGY_NAMES
 from rollwise.generate.groups import new_groups
 from rollwise.generate.torch_engine import TorchEngine
 from rollwise.loop import train
@@ -61,8 +60,17 @@ def _groups(n_samples: int, answer: str | None = "7"):
     return new_groups([(prompt, [9, 9, 9])], n_samples, 0)
 
 
-def test_the_registry_and_the_config_name_the_same_strategies():
-    assert ROLLOUT_STRATEGIES.names() == sorted(ROLLOUT_STRATEGY_NAMES)
+def test_every_strategy_with_options_declares_them_as_its_own_table():
+    """A strategy's options are one MethodOptions model in its own module, registered with it ([rollout.<name>])."""
+    from rollwise.config_methods import OPTION_MODELS
+
+    for name, factory in ROLLOUT_STRATEGIES.items():
+        model = getattr(factory, "options", None)
+        if name == "plain":
+            assert model is None
+            continue
+        assert model is not None and (model.section, model.name) == ("rollout", name)
+        assert OPTION_MODELS[("rollout", name)] is model and model.__module__ == factory.__module__
 
 
 def test_a_second_engines_work_is_counted_on_the_policy_engine():
@@ -187,8 +195,8 @@ def test_rethink_on_the_torch_engine_keeps_behaviour_logprobs_equal_to_the_model
 
 @pytest.mark.slow
 def test_a_rethink_run_trains_on_continued_responses_with_matching_logprobs(eos_model_dir, tmp_path):
-    rows = _rows(eos_model_dir, tmp_path / "rethink", **{"rollout.strategy": "rethink", "rollout.rethink_fraction": 1.0,
-                                                        "rollout.rethink_max_new_tokens": 6, "train.steps": 2,
+    rows = _rows(eos_model_dir, tmp_path / "rethink", **{"rollout.strategy": "rethink", "rollout.rethink.fraction": 1.0,
+                                                        "rollout.rethink.max_new_tokens": 6, "train.steps": 2,
                                                         "reward.fn": "toy_plugins:digit_fraction"})
     assert all(r["rethink/samples_frac"] == 1.0 for r in rows)
     assert all(r["rethink/continuation_tokens_mean"] > 0 for r in rows)
@@ -241,7 +249,7 @@ def test_adhint_hints_the_first_samples_and_learns_accuracy_from_the_unhinted_on
 
 def test_adhint_method_scales_the_advantage_of_hinted_responses_by_hand(tiny_model_dir):
     cfg = tiny_config(tiny_model_dir, **{"rollout.strategy": "adhint", "algo.method": "adhint",
-                                         "rollout.adhint_weight": 0.25, "rollout.adhint_samples": 2})
+                                         "rollout.adhint.weight": 0.25, "rollout.adhint.samples": 2})
     samples = _groups(4)[0].samples
     for s, adv, hinted in zip(samples, [1.0, -2.0, 0.5, -0.5], [True, True, False, False]):
         s.advantage, s.correct = adv, adv > 0
@@ -256,8 +264,8 @@ def test_adhint_method_scales_the_advantage_of_hinted_responses_by_hand(tiny_mod
 @pytest.mark.slow
 def test_an_adhint_run_hints_half_of_each_group_and_modulates_them(tiny_model_dir, tmp_path):
     rows = _rows(tiny_model_dir, tmp_path / "adhint", **{
-        "rollout.strategy": "adhint", "algo.method": "adhint", "rollout.adhint_samples": 2,
-        "rollout.adhint_max_ratio": 1.0, "reward.fn": "toy_plugins:digit_fraction", "train.steps": 2})
+        "rollout.strategy": "adhint", "algo.method": "adhint", "rollout.adhint.samples": 2,
+        "rollout.adhint.max_ratio": 1.0, "reward.fn": "toy_plugins:digit_fraction", "train.steps": 2})
     assert all(r["adhint/ratio_mean"] > 0 and r["adhint/hint_tokens_mean"] >= 1 for r in rows)
     assert rows[0]["adhint/accuracy_prior"] == 0.5 and rows[1]["adhint/accuracy_prior"] != 0.5  # learned
     assert all(0 < r["adhint/hinted_frac"] <= 0.5 and r["adhint/advantage_scale"] == 0.5 for r in rows)
@@ -312,9 +320,9 @@ def junior_model_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_a_tandem_run_trains_only_the_seniors_tokens_with_matching_logprobs(junior_model_dir, tiny_model_dir, tmp_path):
     rows = _rows(tiny_model_dir, tmp_path / "tandem", **{
-        "rollout.strategy": "tandem", "rollout.tandem_junior": str(junior_model_dir),
-        "rollout.tandem_segment_tokens": 2,
-        "rollout.tandem_junior_prob": 0.5, "reward.fn": "toy_plugins:digit_fraction", "train.steps": 2})
+        "rollout.strategy": "tandem", "rollout.tandem.junior": str(junior_model_dir),
+        "rollout.tandem.segment_tokens": 2,
+        "rollout.tandem.junior_prob": 0.5, "reward.fn": "toy_plugins:digit_fraction", "train.steps": 2})
     assert all(0.1 < r["tandem/junior_token_frac"] < 0.7 and r["tandem/segments_mean"] > 2 for r in rows)
     # the senior's tokens, sampled in a context with the junior's, keep log-probs equal to the trainer's (the junior's
     # weights differ: its tokens, were they not masked, would be far off)
@@ -372,11 +380,11 @@ def test_eepo_samples_the_first_half_from_the_policy_and_the_second_from_the_unl
 def test_an_eepo_run_unlearns_and_trains_the_second_half_as_off_policy(tiny_model_dir, tmp_path):
     common = {"rollout.strategy": "eepo", "reward.fn": "toy_plugins:digit_fraction", "train.steps": 2,
               "algo.is_correction": "tis_token"}
-    rows = _rows(tiny_model_dir, tmp_path / "eepo", **common, **{"rollout.eepo_unlearn_steps": 2,
-                                                              "rollout.eepo_unlearn_lr": 1e-2})
+    rows = _rows(tiny_model_dir, tmp_path / "eepo", **common, **{"rollout.eepo.unlearn_steps": 2,
+                                                              "rollout.eepo.unlearn_lr": 1e-2})
     assert all(r["eepo/unlearn_logp_after"] < r["eepo/unlearn_logp_before"] for r in rows)
     assert all(r["mismatch/logprob_abs_diff_max"] > 0.05 for r in rows)  # behaviour = the copy's log-probs
-    flat = _rows(tiny_model_dir, tmp_path / "flat", **common, **{"rollout.eepo_unlearn_steps": 0})
+    flat = _rows(tiny_model_dir, tmp_path / "flat", **common, **{"rollout.eepo.unlearn_steps": 0})
     assert all(r["mismatch/logprob_abs_diff_max"] < 1e-3 for r in flat)  # no unlearning: the copy is the policy
 
 
@@ -412,17 +420,17 @@ def test_a_strategy_on_a_multi_turn_task_stops_at_start_with_one_line(tiny_model
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"rollout.strategy": "rethnk"}, "unknown rollout strategy 'rethnk'; valid: plain, rethink, adhint, tandem, eepo"),
+    ({"rollout.strategy": "rethnk"}, "unknown rollout strategy 'rethnk'; registered: adhint, duet, eepo, plain, rethink, tandem, tree"),
     ({"rollout.strategy": "rethink", "control.mode": "async"}, "set control.mode = 'sync'"),
     ({"rollout.strategy": "rethink", "control.partial_rollouts": True}, "control.partial_rollouts = false"),
     ({"rollout.strategy": "rethink", "rollout.stop": ["."]}, "set rollout.stop = []"),
-    ({"rollout.strategy": "rethink", "rollout.rethink_fraction": 1.5}, "rollout.rethink_fraction"),
+    ({"rollout.strategy": "rethink", "rollout.rethink.fraction": 1.5}, "rollout.rethink.fraction"),
     ({"rollout.strategy": "adhint"}, "algo.method = 'adhint' (their gradient modulation) go together"),
     ({"algo.method": "adhint"}, "go together"),
-    ({"rollout.strategy": "tandem", "rollout.tandem_segment_tokens": 0}, "rollout.tandem_segment_tokens"),
-    ({"rollout.strategy": "tandem", "lora.rank": 4}, "name the junior's model directory in rollout.tandem_junior"),
+    ({"rollout.strategy": "tandem", "rollout.tandem.segment_tokens": 0}, "rollout.tandem.segment_tokens"),
+    ({"rollout.strategy": "tandem", "lora.rank": 4}, "name the junior's model directory in rollout.tandem.junior"),
     ({"rollout.strategy": "eepo", "lora.rank": 4}, "set lora.rank = 0 and train.backend = 'local'"),
-    ({"rollout.strategy": "adhint", "algo.method": "adhint", "rollout.adhint_samples": 4},
+    ({"rollout.strategy": "adhint", "algo.method": "adhint", "rollout.adhint.samples": 4},
      "set it below rollout.samples_per_prompt"),
 ])
 def test_bad_settings_fail_at_dry_run_with_one_line(tiny_model_dir, overrides, message):
@@ -454,10 +462,10 @@ def test_a_resumed_run_goes_on_with_the_strategys_state(strategy, keys, tiny_mod
                 "run.save_every_steps": 2}
     if strategy == "adhint":
         model_dir = tiny_model_dir
-        settings.update({"algo.method": "adhint", "rollout.adhint_samples": 2, "rollout.adhint_max_ratio": 1.0})
+        settings.update({"algo.method": "adhint", "rollout.adhint.samples": 2, "rollout.adhint.max_ratio": 1.0})
     else:
         model_dir = eos_model_dir
-        settings.update({"rollout.rethink_fraction": 0.5, "rollout.rethink_max_new_tokens": 4})
+        settings.update({"rollout.rethink.fraction": 0.5, "rollout.rethink.max_new_tokens": 4})
     straight = _rows(model_dir, tmp_path / "straight", **settings)
     resumed = _resumed_rows(model_dir, tmp_path / "resumed", **settings)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]

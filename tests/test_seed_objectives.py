@@ -159,7 +159,7 @@ def test_echorl_trains_all_success_groups_that_grpo_leaves_alone(tiny_model_dir,
     start = _weights(tiny_model_dir)
     trained = _weights(tmp_path / "echo" / "checkpoints" / "step-2")
     assert any(not torch.equal(start[k], trained[k]) for k in start)  # the EchoClip NLL moved the weights
-    _run(tiny_model_dir, tmp_path / "off", **{**run, "algo.echorl_coef": 0.0})
+    _run(tiny_model_dir, tmp_path / "off", **{**run, "algo.echorl.coef": 0.0})
     off = _weights(tmp_path / "off" / "checkpoints" / "step-2")
     assert all(torch.equal(start[k], off[k]) for k in start)  # every advantage is 0: nothing else trains
 
@@ -201,7 +201,7 @@ def test_progress_terms_use_the_reference_log_ratio():
 @pytest.mark.slow
 def test_progress_run_starts_as_grpo_and_then_scores_steps(tiny_model_dir, tmp_path):
     rows = _run(tiny_model_dir, tmp_path / "progress", **{"train.steps": 2, "algo.method": "progress",
-                                                           "algo.progress_step_tokens": 2})
+                                                           "algo.progress.step_tokens": 2})
     assert rows[0]["progress/step_abs_mean"] < 1e-4  # step 1: pi = pi_ref, the advantages are GRPO's
     assert rows[1]["progress/step_abs_mean"] > 1e-3  # after an update the steps carry log pi / pi_ref
     assert rows[1]["progress/adv_shift_abs_mean"] == pytest.approx(0.5 * rows[1]["progress/step_abs_mean"])
@@ -250,12 +250,13 @@ def test_layer_subset_is_refused_with_lora(tiny_model_dir, tmp_path):
 def test_dry_run_errors_name_the_key(tiny_model_dir):
     runner = CliRunner()
     cases = {"train.trainable=layers:x": "train.trainable",
-             "algo.hargo_temperature=0": "algo.hargo_temperature",
-             "algo.echorl_clip_frac=1.5": "algo.echorl_clip_frac",
-             "algo.progress_step_tokens=0": "algo.progress_step_tokens",
+             "algo.hargo.temperature=0": "algo.hargo.temperature",
+             "algo.echorl.clip_frac=1.5": "algo.echorl.clip_frac",
+             "algo.progress.step_tokens=0": "algo.progress.step_tokens",
              "algo.advantage=progress": "set algo.method = 'progress'"}
     for override, key in cases.items():
-        result = runner.invoke(app, ["train", *tiny_overrides(tiny_model_dir), override, "--dry-run"])
+        method = [f"algo.method={override.split('.')[1]}"] if override.split("=")[0].count(".") == 2 else []
+        result = runner.invoke(app, ["train", *tiny_overrides(tiny_model_dir), *method, override, "--dry-run"])
         assert result.exit_code != 0 and key in result.output, (override, result.output)
     for method in ("hargo", "progress"):
         result = runner.invoke(app, ["train", *tiny_overrides(tiny_model_dir), f"algo.method={method}",

@@ -125,8 +125,8 @@ def test_cme_batches_equal_single_scores_and_a_verifier_sets_only_correct(tiny_m
 
 @pytest.mark.slow
 def test_a_cme_run_trains_on_the_verifiers_likelihood_without_labels(tmp_path, tiny_model_dir):
-    rows, logged = _run(tmp_path, "cme", **{"reward.fn": "cme", "reward.cme_model": str(tiny_model_dir),
-                                             "reward.cme_verifier": "toy_plugins:digit_fraction",
+    rows, logged = _run(tmp_path, "cme", **{"reward.fn": "cme", "reward.cme.model": str(tiny_model_dir),
+                                             "reward.cme.verifier": "toy_plugins:digit_fraction",
                                              "rollout.samples_per_prompt": 2, "run.samples_logged_per_step": 99})
     assert len(rows) == 2
     for row in rows:
@@ -169,8 +169,8 @@ def test_flip_rates_and_determinism():
 
 
 def test_a_noisy_run_counts_flips_keeps_the_clean_verdict_and_evaluates_clean(tmp_path):
-    rows, _ = _run(tmp_path, "noise", **{"reward.fn": "toy_plugins:digit_fraction", "reward.noise_fp": 0.5,
-                                          "reward.noise_fn": 0.5, "eval.n": 4, "eval.every_steps": 1})
+    rows, _ = _run(tmp_path, "noise", **{"reward.fn": "toy_plugins:digit_fraction", "reward.noise.fp": 0.5,
+                                          "reward.noise.fn": 0.5, "eval.n": 4, "eval.every_steps": 1})
     assert len(rows) == 2
     flipped = sum(r["reward/part/noise_flipped_fp"] + r["reward/part/noise_flipped_fn"] for r in rows)
     assert flipped > 0
@@ -197,15 +197,15 @@ def test_moa_by_hand_differs_from_a_weighted_sum():
     assert plain.tolist() == pytest.approx(grpo(torch.tensor([1.0, 0.0, 2.0, 2.0]), group).tolist(), abs=1e-6)
     unscaled = moa(torch.zeros(4), group, parts=parts, weights={"correct": 1.0}, scale=False)
     assert unscaled.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
-    with pytest.raises(ValueError, match="algo.moa_weights names reward part 'rubric'"):
+    with pytest.raises(ValueError, match="algo.moa.weights names reward part 'rubric'"):
         moa(torch.zeros(4), group, parts=parts, weights={"rubric": 1.0})
-    with pytest.raises(ValueError, match="algo.moa_weights names reward part 'format'"):
+    with pytest.raises(ValueError, match="algo.moa.weights names reward part 'format'"):
         moa(torch.zeros(4), group, parts={"format": torch.tensor([1.0, float("nan"), 0, 0])}, weights={"format": 1.0})
 
 
 def test_a_moa_run_trains_on_per_rubric_normalised_advantages(tmp_path):
     rows, logged = _run(tmp_path, "moa", **{"reward.fn": "test_seed_rewards:two_rubrics", "algo.advantage": "moa",
-                                             "algo.moa_weights": {"digits": 1.0, "brief": 1.0},
+                                             "algo.moa.weights": {"digits": 1.0, "brief": 1.0},
                                              "rollout.samples_per_prompt": 2, "run.samples_logged_per_step": 99})
     assert len(rows) == 2
     by_prompt = defaultdict(list)
@@ -240,9 +240,9 @@ def test_sgrpo_credits_by_hand():
 
 
 def test_sgrpo_trains_groups_whose_utility_is_uniform_on_their_diversity(tmp_path):
-    overrides = {"reward.fn": "test_seed_rewards:constant_one", "run.samples_logged_per_step": 99,
-                 "algo.sgrpo_ngram": 1}
-    rows, logged = _run(tmp_path, "sgrpo", **{**overrides, "algo.method": "sgrpo", "algo.sgrpo_sets": 2})
+    overrides = {"reward.fn": "test_seed_rewards:constant_one", "run.samples_logged_per_step": 99}
+    rows, logged = _run(tmp_path, "sgrpo", **{**overrides, "algo.method": "sgrpo", "algo.sgrpo.sets": 2,
+                                              "algo.sgrpo.ngram": 1})
     assert len(rows) == 2
     for row in rows:
         assert row["sgrpo/uniform_utility_groups"] == 4 and 0 < row["sgrpo/set_diversity_mean"] <= 1
@@ -291,7 +291,7 @@ def test_memreward_propagates_to_unlabelled_prompts_and_remembers_labelled_ones(
 
 
 def test_memreward_runs_at_20_percent_labels_and_rows_measure_it(tmp_path):
-    rows, _ = _run(tmp_path, "memreward", **{"reward.fn": "toy_plugins:digit_fraction", "reward.label_fraction": 0.2,
+    rows, _ = _run(tmp_path, "memreward", **{"reward.fn": "toy_plugins:digit_fraction", "reward.memreward.label_fraction": 0.2,
                                               "rollout.prompts_per_step": 8, "train.steps": 2})
     assert len(rows) == 2
     assert 0 < sum(r["reward/part/memreward_labelled"] for r in rows) / 2 < 0.6
@@ -302,29 +302,29 @@ def test_memreward_runs_at_20_percent_labels_and_rows_measure_it(tmp_path):
 # --- errors at --dry-run, and the recipes -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"reward.fn": "cme"}, "reward.fn = 'cme' needs reward.cme_model"),
-    ({"reward.fn": "cme", "reward.cme_model": "/no/such/model"}, "reward.cme_model = '/no/such/model' is not a model"),
-    ({"reward.fn": "cme", "reward.cme_model": ".", "reward.cme_verifier": "nope"}, "reward.cme_verifier = 'nope'"),
-    ({"reward.noise_fp": 1.5}, "reward.noise_fp"),
-    ({"algo.advantage": "moa"}, "algo.advantage = 'moa' needs algo.moa_weights"),
-    ({"algo.moa_weights": {"correct": 1.0}}, "algo.moa_weights is set but algo.advantage = 'grpo'"),
-    ({"algo.advantage": "moa", "algo.moa_weights": {"correct": -1.0}}, "weights must be finite, >= 0"),
-    ({"algo.method": "sgrpo", "algo.sgrpo_sets": 3}, "algo.sgrpo_sets = 3 must divide"),
+    ({"reward.fn": "cme"}, "reward.fn = 'cme' needs reward.cme.model"),
+    ({"reward.fn": "cme", "reward.cme.model": "/no/such/model"}, "reward.cme.model = '/no/such/model' is not a model"),
+    ({"reward.fn": "cme", "reward.cme.model": ".", "reward.cme.verifier": "nope"}, "reward.cme.verifier = 'nope'"),
+    ({"reward.noise.fp": 1.5}, "reward.noise.fp"),
+    ({"algo.advantage": "moa"}, "algo.advantage = 'moa' needs algo.moa.weights"),
+    ({"algo.moa.weights": {"correct": 1.0}}, "[algo.moa] is set but algo.method = 'rl' and algo.advantage = 'grpo'"),
+    ({"algo.advantage": "moa", "algo.moa.weights": {"correct": -1.0}}, "must be finite and >= 0"),
+    ({"algo.method": "sgrpo", "algo.sgrpo.sets": 3}, "algo.sgrpo.sets = 3 must divide"),
     ({"algo.method": "sgrpo", "algo.advantage": "gae"}, "algo.method = 'sgrpo' recomputes outcome advantages"),
-    ({"reward.label_fraction": 0.0}, "reward.label_fraction"),
+    ({"reward.memreward.label_fraction": 0.0}, "reward.memreward.label_fraction"),
 ])
 def test_bad_settings_fail_at_dry_run_with_one_line(overrides, message, tiny_model_dir):
-    if overrides.get("reward.cme_model") == ".":
-        overrides = {**overrides, "reward.cme_model": str(tiny_model_dir)}
+    if overrides.get("reward.cme.model") == ".":
+        overrides = {**overrides, "reward.cme.model": str(tiny_model_dir)}
     result = _dry_run(overrides)
     assert result.exit_code == 2, result.output
     assert message in result.output
 
 
 RECIPE_RUNS = {  # the tiny model stands in for the verifier; dense rewards give the tiny groups variance
-    "cme": {"reward.cme_model": "TINY"},
+    "cme": {"reward.cme.model": "TINY"},
     "noise": {"reward.fn": "toy_plugins:digit_fraction"},
-    "moa": {"reward.fn": "test_seed_rewards:two_rubrics", "algo.moa_weights": {"digits": 1.0, "brief": 0.5}},
+    "moa": {"reward.fn": "test_seed_rewards:two_rubrics", "algo.moa.weights": {"digits": 1.0, "brief": 0.5}},
     "sgrpo": {"reward.fn": "toy_plugins:digit_fraction"},
     "memreward": {"reward.fn": "toy_plugins:digit_fraction", "rollout.prompts_per_step": 8},
 }

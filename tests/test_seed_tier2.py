@@ -56,7 +56,7 @@ def test_allocation_is_dhondt_on_informativeness_within_min_and_max():
 
 def test_running_pass_rate_is_the_surrogate_and_sets_the_counts(make_config):
     cfg = make_config(**{"algo.method": "duet", "rollout.strategy": DUET_STRATEGY, "rollout.samples_per_prompt": 4,
-                         "rollout.max_new_tokens": 10, "rollout.duet_budget_tokens": 60})
+                         "rollout.max_new_tokens": 10, "rollout.duet.budget_tokens": 60})
     strategy = DuetStrategy(cfg)
     seen = _arith(7, 1, "+", 8, "", gid=0).prompt
     done = [_sample(0, 4, c, prompt=seen) for c in (True, True, True, False)]
@@ -91,8 +91,8 @@ def test_duet_spends_fewer_tokens_on_uneven_counts_and_aborts(tiny_model_dir, tm
            "run.report": False}
     plain = _quiet_train(tiny_config(tiny_model_dir, **run), tmp_path / "rl")
     duet = _quiet_train(tiny_config(tiny_model_dir, **run, **{
-        "algo.method": "duet", "rollout.strategy": DUET_STRATEGY, "rollout.duet_budget_tokens": 100,
-        "rollout.duet_abort_tokens": 6, "rollout.duet_marker": "e"}), tmp_path / "duet")
+        "algo.method": "duet", "rollout.strategy": DUET_STRATEGY, "rollout.duet.budget_tokens": 100,
+        "rollout.duet.abort_tokens": 6, "rollout.duet.marker": "e"}), tmp_path / "duet")
     # 100 tokens buy 8 rollouts of the first round's 12 tokens: the minimum 2 x 4 prompts, not 4 x 4
     assert duet[0]["duet/rollouts"] == 8 and plain[0]["rollout/tokens"] > duet[0]["rollout/tokens"]
     assert duet[1]["duet/rollouts"] > 8 and duet[1]["duet/count_max"] > duet[1]["duet/count_min"]  # by informativeness
@@ -121,7 +121,7 @@ def test_priority_split_takes_short_correct_and_long_incorrect_by_the_group_medi
 
 
 def test_compensation_batches_come_from_the_buffer_oldest_first_and_age_out(make_config):
-    cfg = make_config(**{"algo.method": "rorecomp", "algo.rorecomp_compensation_size": 3, "algo.rorecomp_max_age": 4})
+    cfg = make_config(**{"algo.method": "rorecomp", "algo.rorecomp.compensation_size": 3, "algo.rorecomp.max_age": 4})
     method = RoRecomp(MethodSetup(cfg))
 
     def group(gid, version):
@@ -185,7 +185,7 @@ def test_arith_relabels_by_hand():
 
 
 def test_hrr_advantage_is_weight_times_relabelled_reward_minus_the_group_mean(make_config):
-    cfg = make_config(**{"algo.method": "hrr", "algo.hrr_weight": 2.0, "algo.hrr_max_per_group": 3})
+    cfg = make_config(**{"algo.method": "hrr", "algo.hrr.weight": 2.0, "algo.hrr.max_per_group": 3})
     method = HRR(MethodSetup(cfg, tokenizer=tiny_tokenizer(), encoder=PromptEncoder(tiny_tokenizer())))
     method.task = _Task()
     mixed = [_arith(7, 1, "+", 8, r) for r in ("The answer is 8.", "The answer is 10.", "nothing", "The answer is 9.")]
@@ -204,7 +204,7 @@ def test_hrr_advantage_is_weight_times_relabelled_reward_minus_the_group_mean(ma
     assert out.metrics["hrr/relabelled"] == 4 and out.metrics["hrr/relabel_frac"] == pytest.approx(4 / 5)
     assert out.metrics["hrr/advantage_mean"] == pytest.approx(1.75)
     assert out.record(mixed[1]) == {"hrr_goal": "10"} and out.record(mixed[2]) == {}
-    method.setup.cfg.algo.hrr_max_per_group = 1  # the first relabel of each group; "nothing" took no slot
+    method.setup.cfg.algo.hrr = {**method.setup.cfg.algo.hrr, "max_per_group": 1}  # the first relabel of each group; "nothing" took no slot
     capped = method.prepare(StepInput(0, STAGE, groups, mixed + failed))
     assert [s.info["hrr_goal"] for s in capped.samples if "hrr_goal" in s.info] == ["10", "4"]
 
@@ -237,7 +237,7 @@ def test_rorecomp_trains_priority_responses_and_compensates_from_the_buffer(tiny
            "reward.fn": "toy_plugins:digit_fraction", "run.report": False, "run.samples_logged_per_step": 16}
     plain = _quiet_train(tiny_config(tiny_model_dir, **run), tmp_path / "rl")
     priority_only = _quiet_train(tiny_config(tiny_model_dir, **run, **{
-        "algo.method": "rorecomp", "algo.rorecomp_compensation_size": 0}), tmp_path / "p")
+        "algo.method": "rorecomp", "algo.rorecomp.compensation_size": 0}), tmp_path / "p")
     # until the first update both runs sample the same batch; RoRecomp trains only its priority responses
     first = next(i for i, r in enumerate(plain) if r.get("train/tokens") is not None)
     assert priority_only[first]["rollout/tokens"] == plain[first]["rollout/tokens"]
@@ -245,7 +245,7 @@ def test_rorecomp_trains_priority_responses_and_compensates_from_the_buffer(tiny
     assert 0 < priority_only[first]["train/tokens"] < plain[first]["train/tokens"]
     assert all(r["rorecomp/compensation_samples"] == 0 for r in priority_only)
     compensated = _quiet_train(tiny_config(tiny_model_dir, **run, **{
-        "algo.method": "rorecomp", "algo.rorecomp_compensation_size": 2}), tmp_path / "c")
+        "algo.method": "rorecomp", "algo.rorecomp.compensation_size": 2}), tmp_path / "c")
     assert compensated[first]["rorecomp/compensation_samples"] == 2  # the deferred ones return, 2 at a time
     assert priority_only[first]["train/tokens"] < compensated[first]["train/tokens"]
     logged = [json.loads(line) for line in
@@ -261,16 +261,16 @@ def _dry_run(model_dir, **overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"algo.method": "duet"}, f"set rollout.strategy = {DUET_STRATEGY!r}"),
-    ({"algo.method": "duet", "rollout.strategy": DUET_STRATEGY, "rollout.duet_abort_tokens": 8},
-     "rollout.duet_abort_tokens = 8 is not below rollout.max_new_tokens = 8"),
-    ({"algo.method": "duet", "rollout.strategy": DUET_STRATEGY, "rollout.duet_min_samples": 5},
-     "rollout.duet_min_samples = 5 is above rollout.samples_per_prompt = 4"),
+    ({"algo.method": "duet", "rollout.strategy": DUET_STRATEGY, "rollout.duet.abort_tokens": 8},
+     "rollout.duet.abort_tokens = 8 is not below rollout.max_new_tokens = 8"),
+    ({"algo.method": "duet", "rollout.strategy": DUET_STRATEGY, "rollout.duet.min_samples": 5},
+     "rollout.duet.min_samples = 5 is above rollout.samples_per_prompt = 4"),
     ({"algo.method": "hrr", "data.task": "letters"}, "data.task = 'letters' has no relabel hook"),
     ({"algo.method": "hrr", "train.old_logprobs": "behaviour"}, "set train.old_logprobs = 'recompute'"),
     ({"algo.method": "hrr", "algo.is_correction": "tis_token"}, "set algo.is_correction = 'none'"),
     ({"algo.method": "rorecomp", "rollout.samples_per_prompt": 1, "algo.advantage": "gae"},
      "rollout.samples_per_prompt = 1: set it to 2"),
-    ({"algo.method": "rorecomp", "algo.rorecomp_max_age": -1}, "rorecomp_max_age"),
+    ({"algo.method": "rorecomp", "algo.rorecomp.max_age": -1}, "algo.rorecomp.max_age"),
 ])
 def test_bad_settings_fail_at_dry_run_with_one_line(tiny_model_dir, overrides, message):
     result = _dry_run(tiny_model_dir, **overrides)
@@ -283,7 +283,7 @@ RECIPE_METRICS = {"duet": "duet/rollouts", "rorecomp": "rorecomp/priority_frac",
 
 @pytest.mark.parametrize("name", sorted(RECIPE_METRICS))
 def test_recipe_passes_dry_run(name, tiny_model_dir):
-    gate = {"rollout.duet_abort_tokens": 4} if name == "duet" else {}  # below the tiny run's 8 new tokens
+    gate = {"rollout.duet.abort_tokens": 4} if name == "duet" else {}  # below the tiny run's 8 new tokens
     result = CliRunner().invoke(app, ["train", str(SEED_RECIPES / f"{name}.toml"), "--dry-run",
                                       *tiny_overrides(tiny_model_dir, **gate)])
     assert result.exit_code == 0, result.output
@@ -294,7 +294,7 @@ def test_recipe_passes_dry_run(name, tiny_model_dir):
 def test_recipe_runs_two_steps_on_the_tiny_model(name, tiny_model_dir, tmp_path):
     overrides = {"eval.n": 4, "run.report": False, "run.name": None}
     if name == "duet":  # the tiny run generates 8 tokens: gate at 4, on a marker the random model writes
-        overrides.update({"rollout.duet_abort_tokens": 4, "rollout.duet_marker": "e"})
+        overrides.update({"rollout.duet.abort_tokens": 4, "rollout.duet.marker": "e"})
     if name in ("rorecomp", "duet"):
         overrides["reward.fn"] = "toy_plugins:digit_fraction"  # reward variance on the random model
     cfg = load(SEED_RECIPES / f"{name}.toml", tiny_overrides(tiny_model_dir, **overrides))

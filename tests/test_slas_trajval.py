@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from conftest import read_rows, tiny_overrides
 from rollwise.algo.advantages import dr_grpo, grpo
-from rollwise.algo.slas import slas, slas_shape
+from rollwise.algo.slas import SlasOptions, slas, slas_shape
 from rollwise.cli import app
 from rollwise.loop import train
 from rollwise.trajval import (TrajValError, endpoint_accuracies, learnability_weights, mix_tables, probe_config,
@@ -58,7 +58,7 @@ def test_slas_by_hand():
 def test_slas_shape_keeps_signs_and_amplifies_large_advantages():
     shaped = slas_shape(torch.tensor([-0.5, 0.0, 0.1, 0.2]), 3.0)
     assert shaped.tolist() == pytest.approx([-0.125, 0.0, 0.001, 0.008])
-    with pytest.raises(ValueError, match="algo.slas_power = 0.5"):
+    with pytest.raises(ValueError, match="algo.slas.power = 0.5"):
         slas_shape(torch.tensor([0.1]), 0.5)
 
 
@@ -73,7 +73,7 @@ def test_slas_without_signal_gives_zero():
 def test_a_slas_run_trains_on_the_shaped_batch_normalised_advantages(tmp_path, tiny_model_dir):
     # 3 samples per prompt: log_samples keeps every sample, so each step's whole batch is in the log
     cfg = load(None, tiny_overrides(tiny_model_dir, **{
-        "algo.advantage": "slas", "algo.slas_power": 3.0, "reward.fn": "toy_plugins:digit_fraction",
+        "algo.advantage": "slas", "algo.slas.power": 3.0, "reward.fn": "toy_plugins:digit_fraction",
         "rollout.samples_per_prompt": 3, "run.samples_logged_per_step": 99, "eval.n": 0, "run.report": False}))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         train(cfg, tmp_path / "slas")
@@ -101,8 +101,8 @@ def test_a_slas_run_trains_on_the_shaped_batch_normalised_advantages(tmp_path, t
 # --- errors at --dry-run, and the recipe -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"algo.advantage": "slas", "algo.slas_power": 0.5}, "algo.slas_power"),
-    ({"algo.slas_power": 3.0}, "algo.slas_power is set but algo.advantage = 'grpo'"),
+    ({"algo.advantage": "slas", "algo.slas.power": 0.5}, "algo.slas.power"),
+    ({"algo.slas.power": 3.0}, "[algo.slas] is set but algo.method = 'rl' and algo.advantage = 'grpo'"),
 ])
 def test_bad_slas_settings_fail_at_dry_run_with_one_line(overrides, message, tiny_model_dir):
     result = _dry_run(tiny_model_dir, overrides)
@@ -116,7 +116,7 @@ def test_slas_recipe_passes_dry_run_and_runs_two_steps(tmp_path, tiny_model_dir)
     result = _dry_run(tiny_model_dir, overrides, RECIPES / "slas.toml")
     assert result.exit_code == 0, result.output
     cfg = load(RECIPES / "slas.toml", tiny_overrides(tiny_model_dir, **overrides))
-    assert cfg.algo.advantage == "slas" and cfg.algo.slas_power == 2.0
+    assert cfg.algo.advantage == "slas" and SlasOptions.of(cfg).power == 2.0
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         train(cfg, tmp_path / "slas")
     rows = [r for r in read_rows(tmp_path / "slas") if r["kind"] == "train"]

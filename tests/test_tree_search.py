@@ -123,8 +123,8 @@ def test_a_tree_run_trains_on_paths_of_one_tree_with_matching_logprobs(tiny_mode
         return out
 
     monkeypatch.setattr(TreeStrategy, "run", spy)
-    cfg = tiny_config(tiny_model_dir, **{"rollout.strategy": "tree", "rollout.tree_simulations": 6,
-                                         "rollout.tree_step_tokens": 3, "reward.fn": "toy_plugins:digit_fraction",
+    cfg = tiny_config(tiny_model_dir, **{"rollout.strategy": "tree", "rollout.tree.simulations": 6,
+                                         "rollout.tree.step_tokens": 3, "reward.fn": "toy_plugins:digit_fraction",
                                          "eval.n": 0, "run.report": False})
     with contextlib.redirect_stdout(io.StringIO()):
         train(cfg, tmp_path / "tree")
@@ -193,7 +193,7 @@ def test_a_tree_method_run_trains_tokens_of_one_response_on_different_step_advan
 
     monkeypatch.setattr(TreeTerms, "advantages", spy)
     cfg = tiny_config(tiny_model_dir, **{"rollout.strategy": "tree", "algo.method": "tree",
-                                         "rollout.tree_simulations": 6, "rollout.tree_step_tokens": 2,
+                                         "rollout.tree.simulations": 6, "rollout.tree.step_tokens": 2,
                                          "reward.fn": "toy_plugins:digit_fraction", "eval.n": 0, "run.report": False})
     with contextlib.redirect_stdout(io.StringIO()):
         train(cfg, tmp_path / "tree-method")
@@ -222,14 +222,14 @@ def test_the_recipe_passes_dry_run():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"rollout.strategy": "tree", "rollout.tree_simulations": 2}, "set rollout.tree_simulations >= 4"),
-    ({"rollout.strategy": "tree", "rollout.tree_branches": 0}, "rollout.tree_branches"),
-    ({"rollout.strategy": "tree", "rollout.tree_step_tokens": 0}, "rollout.tree_step_tokens"),
-    ({"rollout.strategy": "tree", "rollout.tree_c_puct": -1.0}, "rollout.tree_c_puct"),
+    ({"rollout.strategy": "tree", "rollout.tree.simulations": 2}, "set rollout.tree.simulations >= 4"),
+    ({"rollout.strategy": "tree", "rollout.tree.branches": 0}, "rollout.tree.branches"),
+    ({"rollout.strategy": "tree", "rollout.tree.step_tokens": 0}, "rollout.tree.step_tokens"),
+    ({"rollout.strategy": "tree", "rollout.tree.c_puct": -1.0}, "rollout.tree.c_puct"),
     ({"rollout.strategy": "tree", "control.mode": "async"}, "set control.mode = 'sync'"),
     ({"algo.method": "tree"}, "algo.method = 'tree' trains on the step values of tree-search rollouts: set "
                               "rollout.strategy = 'tree'"),
-    ({"rollout.strategy": "tree", "algo.tree_value_coef": 1.5}, "algo.tree_value_coef"),
+    ({"rollout.strategy": "tree", "algo.method": "tree", "algo.tree.value_coef": 1.5}, "algo.tree.value_coef"),
 ])
 def test_bad_settings_fail_at_dry_run_with_one_line(tiny_model_dir, overrides, message):
     result = CliRunner().invoke(app, ["train", "--dry-run", *tiny_overrides(tiny_model_dir, **overrides)])

@@ -155,7 +155,7 @@ def test_strategy_state_carries_the_second_engines_sampler_rng(tiny_model_dir):
 
 
 def test_a_resumed_tandem_junior_is_the_starting_model_again(tiny_model_dir, tmp_path):
-    """`rollout.tandem_junior` unset: the junior is the starting model, also when the run resumes from a trained
+    """`rollout.tandem.junior` unset: the junior is the starting model, also when the run resumes from a trained
     policy (the strategy is then built from the checkpoint's weights)."""
     from rollwise.rollout_strategies import StrategyContext
     from rollwise.rollout_strategies.tandem import tandem_strategy
@@ -195,8 +195,8 @@ def _assert_same_after_resume(a: Path, b: Path, straight: list[dict], resumed: l
 @pytest.mark.slow
 def test_a_resumed_eepo_run_samples_and_logs_what_the_uninterrupted_one_does(tiny_model_dir, tmp_path):
     a, b, straight, resumed = _straight_and_resumed(tiny_model_dir, tmp_path, {
-        "rollout.strategy": "eepo", "algo.is_correction": "tis_token", "rollout.eepo_unlearn_steps": 2,
-        "rollout.eepo_unlearn_lr": 1e-2})
+        "rollout.strategy": "eepo", "algo.is_correction": "tis_token", "rollout.eepo.unlearn_steps": 2,
+        "rollout.eepo.unlearn_lr": 1e-2})
     _assert_same_after_resume(a, b, straight, resumed, "eepo/")
 
 
@@ -206,8 +206,8 @@ def test_a_resumed_tandem_run_samples_and_logs_what_the_uninterrupted_one_does(j
                                                                                junior_model_dir, tmp_path):
     """With a junior model (its engine's sampler RNG) and without (the junior is the starting model, not the
     checkpoint's policy)."""
-    settings = {"rollout.strategy": "tandem", "rollout.tandem_segment_tokens": 2, "rollout.tandem_junior_prob": 0.5}
+    settings = {"rollout.strategy": "tandem", "rollout.tandem.segment_tokens": 2, "rollout.tandem.junior_prob": 0.5}
     if junior == "model":
-        settings["rollout.tandem_junior"] = str(junior_model_dir)
+        settings["rollout.tandem.junior"] = str(junior_model_dir)
     a, b, straight, resumed = _straight_and_resumed(tiny_model_dir, tmp_path, settings)
     _assert_same_after_resume(a, b, straight, resumed, "tandem/")

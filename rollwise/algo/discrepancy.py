@@ -25,7 +25,7 @@ D_trained, the discrepancy of the tokens the update trains on. The trainer learn
 it (one pass per micro-batch), so the threshold is set from the step before: `fit_threshold` finds the largest
 `tau*` whose kept tokens of that step had mean D at most the target (none needed: `tau* = max`), and
 `tau <- tau^(1 - gain) tau*^gain` (gain 1: take it; below 1: smooth it). A kept token's k3 is at most
-`e^tau - 1 - tau`, so a target above that of `acrl_threshold_min` can always be met.
+`e^tau - 1 - tau`, so a target above that of `[algo.acrl] threshold_min` can always be met.
 The largest gaps are on tokens the engine over-samples (low trainer probability); a masked one is no longer pushed
 further down by a negative advantage, which would widen the gap again, and the tail it keeps is the entropy the
 paper reports as a side effect.

@@ -1,5 +1,5 @@
 """MOA (Multi-Objective Alignment): advantages from several rubric rewards, each normalised within its group
-before they are combined (`algo.advantage = "moa"`, `algo.moa_weights`).
+before they are combined (`algo.advantage = "moa"`, `algo.moa.weights`).
 
     A_i = sum_k w_k * (p_k,i - mean_g(p_k)) / (std_g(p_k) + eps)
 
@@ -23,21 +23,35 @@ from __future__ import annotations
 import torch
 
 from rollwise.algo.advantages import group_stats
+from pydantic import Field
+
 from rollwise.algo.registries import ADVANTAGES
+from rollwise.config_methods import MethodOptions
 
 REWARD_PART = "reward"  # the weight name that stands for the training reward itself
 
 
+class MoaOptions(MethodOptions, section="algo", name="moa"):
+    """`[algo.moa]` (with `algo.advantage = "moa"`)."""
+
+    weights: dict[str, float] = Field(default_factory=dict, description="weight of each reward part (by name, "
+                                      "e.g. {correct = 1.0, format = 0.5}); each part is normalised within its "
+                                      "group before the weighted sum")
+
+    def errors(self, cfg) -> list[str]:
+        return moa_errors(self.weights)
+
+
 def moa_errors(weights: dict[str, float]) -> list[str]:
-    """What is wrong with `algo.moa_weights` for `algo.advantage = "moa"` (checked when the config loads)."""
+    """What is wrong with `algo.moa.weights` for `algo.advantage = "moa"` (checked when the config loads)."""
     if not weights:
-        return ["algo.advantage = 'moa' needs algo.moa_weights: name the reward parts to combine, e.g. "
-                "moa_weights = {correct = 1.0, format = 0.5}"]
+        return ["algo.advantage = 'moa' needs algo.moa.weights: name the reward parts to combine, e.g. "
+                "[algo.moa] weights = {correct = 1.0, format = 0.5}"]
     bad = sorted(k for k, w in weights.items() if not (w >= 0.0 and w < float("inf")))
     if bad:
-        return [f"algo.moa_weights: the weights of {bad} must be finite and >= 0"]
+        return [f"algo.moa.weights: the weights of {bad} must be finite and >= 0"]
     if sum(weights.values()) <= 0.0:
-        return ["algo.moa_weights: every weight is 0; give at least one reward part a positive weight"]
+        return ["algo.moa.weights: every weight is 0; give at least one reward part a positive weight"]
     return []
 
 
@@ -47,8 +61,8 @@ def moa(rewards: torch.Tensor, group_ids: torch.Tensor, parts: dict[str, torch.T
     """MOA advantages (see the module docstring).
 
     rewards: [N] training rewards; group_ids: [N]; parts: reward parts by name, [N] each (NaN where a sample has
-    no such part); weights: part name -> weight (None: {"reward": 1.0}, i.e. GRPO). Returns [N] float32. ValueError naming `algo.moa_weights` when a
-    weighted part is missing from a sample or the weights are unusable."""
+    no such part); weights: part name -> weight (None: {"reward": 1.0}, i.e. GRPO). Returns [N] float32. ValueError
+    naming `algo.moa.weights` when a weighted part is missing from a sample or the weights are unusable."""
     weights = dict(weights or {REWARD_PART: 1.0})  # called bare (no weights): GRPO on the training reward
     errors = moa_errors(weights)
     if errors:
@@ -61,9 +75,12 @@ def moa(rewards: torch.Tensor, group_ids: torch.Tensor, parts: dict[str, torch.T
         values = parts.get(name)
         if values is None or bool(torch.isnan(values.to(torch.float64)).any()):
             known = sorted(parts)
-            raise ValueError(f"algo.moa_weights names reward part {name!r}, which the reward does not give every "
+            raise ValueError(f"algo.moa.weights names reward part {name!r}, which the reward does not give every "
                              f"sample (parts given: {known}); weight the parts the reward returns")
         mean, std = group_stats(values, group_ids)
         centred = values.to(torch.float64) - mean  # [N]
         total += weight * (centred / (std + eps) if scale else centred)
     return total.to(torch.float32)
+
+
+moa.options = MoaOptions  # type: ignore[attr-defined]  ([algo.moa])

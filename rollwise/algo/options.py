@@ -14,8 +14,8 @@ from rollwise.types import Sample
 
 def estimator_options(cfg: Config, samples: list[Sample] | None = None) -> dict:
     """Keywords the configured outcome estimator declares: `scale` (`algo.scale_rewards`); `parts` (reward parts
-    by name, `[N]` float32 each on CPU, NaN where a sample has none) and `weights` (`algo.moa_weights`) for the
-    multi-objective `moa`; `power` (`algo.slas_power`) for `slas`."""
+    by name, `[N]` float32 each on CPU, NaN where a sample has none) and `weights` (`[algo.moa] weights`) for the
+    multi-objective `moa`; `power` (`[algo.slas] power`) for `slas`."""
     accepts = inspect.signature(ADVANTAGES.get(cfg.algo.advantage)).parameters
     options: dict = {"scale": cfg.algo.scale_rewards == "group"} if "scale" in accepts else {}
     if "parts" in accepts and samples is not None:
@@ -23,7 +23,11 @@ def estimator_options(cfg: Config, samples: list[Sample] | None = None) -> dict:
         options["parts"] = {k: torch.tensor([s.reward_parts.get(k, float("nan")) for s in samples],
                                             dtype=torch.float32) for k in names}
     if "weights" in accepts:
-        options["weights"] = dict(cfg.algo.moa_weights)
+        from rollwise.algo.moa import MoaOptions
+
+        options["weights"] = dict(MoaOptions.of(cfg).weights)
     if "power" in accepts:
-        options["power"] = cfg.algo.slas_power
+        from rollwise.algo.slas import SlasOptions
+
+        options["power"] = SlasOptions.of(cfg).power
     return options

@@ -1,8 +1,8 @@
 """SLAS (Super-Linear Advantage Shaping): the group-centred advantage without the prompt-level std, reshaped
-super-linearly, then normalised over the batch (`algo.advantage = "slas"`, `algo.slas_power`).
+super-linearly, then normalised over the batch (`algo.advantage = "slas"`, `algo.slas.power`).
 
     a_i = r_i - mean_g(r)                          (no division by the group std)
-    s_i = sign(a_i) * |a_i| ** p                   (p = algo.slas_power, >= 1; p > 1 is super-linear)
+    s_i = sign(a_i) * |a_i| ** p                   (p = algo.slas.power, >= 1; p > 1 is super-linear)
     A_i = s_i / (std_batch(s) + eps)               (unbiased std over every sample of the step's batch)
 
 Paper: SLAS, "Super-Linear Advantage Shaping" (GRPO post-training of text-to-image models; see the seeds'
@@ -31,16 +31,27 @@ from __future__ import annotations
 import torch
 
 from rollwise.algo.advantages import group_stats
+from pydantic import Field
+
 from rollwise.algo.registries import ADVANTAGES
+from rollwise.config_methods import MethodOptions
 
 DEFAULT_POWER = 2.0
 
 
+class SlasOptions(MethodOptions, section="algo", name="slas"):
+    """`[algo.slas]` (with `algo.advantage = "slas"`)."""
+
+    power: float = Field(DEFAULT_POWER, ge=1.0, le=8.0, description="exponent p of the super-linear shaping "
+                         "sign(a)|a|^p of the group-centred advantage before the batch normalisation; p > 1 "
+                         "amplifies large advantages over small ones, 1 = linear control")
+
+
 def slas_shape(centred: torch.Tensor, power: float) -> torch.Tensor:
-    """`sign(a) |a|^power` elementwise: [N] -> [N] (same dtype). ValueError naming `algo.slas_power` when the
+    """`sign(a) |a|^power` elementwise: [N] -> [N] (same dtype). ValueError naming `algo.slas.power` when the
     power is below 1 or not finite."""
     if not (1.0 <= power < float("inf")):
-        raise ValueError(f"algo.slas_power = {power}: must be a finite number >= 1 (p > 1 is super-linear; "
+        raise ValueError(f"algo.slas.power = {power}: must be a finite number >= 1 (p > 1 is super-linear; "
                          "1 is the linear control)")
     return torch.sign(centred) * centred.abs().pow(power)
 
@@ -50,10 +61,13 @@ def slas(rewards: torch.Tensor, group_ids: torch.Tensor, power: float = DEFAULT_
          eps: float = 1e-6) -> torch.Tensor:
     """SLAS advantages (see the module docstring).
 
-    rewards: [N] training rewards; group_ids: [N]; power: algo.slas_power. Returns [N] float32, computed in
+    rewards: [N] training rewards; group_ids: [N]; power: algo.slas.power. Returns [N] float32, computed in
     float64: `sign(a)|a|^p / (std(sign(a)|a|^p) + eps)` with `a = r - mean_g(r)` and the unbiased batch std."""
     mean, _ = group_stats(rewards, group_ids)
     shaped = slas_shape(rewards.to(torch.float64) - mean, power)  # [N]
     if shaped.numel() < 2:
         return torch.zeros_like(shaped, dtype=torch.float32)
     return (shaped / (shaped.std() + eps)).to(torch.float32)
+
+
+slas.options = SlasOptions  # type: ignore[attr-defined]  ([algo.slas])

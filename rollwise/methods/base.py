@@ -87,8 +87,15 @@ class Method:
     replays = True  # the step draws from and adds to the replay buffer
     reads_demonstrations = False  # reads a `[[stage]] data` file
 
+    options = None  # its `MethodOptions` subclass: the `[algo.<name>]` table it reads (None: it takes none)
+
     def __init__(self, setup: MethodSetup) -> None:
         self.setup = setup
+
+    @property
+    def opts(self):
+        """This method's validated `[algo.<name>]` options (`options.of(cfg)`)."""
+        return self.options.of(self.setup.cfg)
 
     @classmethod
     def checks(cls, cfg) -> list[str]:

@@ -1,16 +1,16 @@
 """`dcmdp` and `acrl`: the plain RL step plus control of the engine-vs-trainer discrepancy (rollwise.algo.discrepancy).
 
 Each step measures D, the discrepancy between the engine that sampled the batch and the trainer before any update
-of the step, on the tokens of the current policy version (`algo.discrepancy_measure`: `k3` as `mismatch/k3`, or
-`abs_gap`), and acts on it:
+of the step, on the tokens of the current policy version (`measure` of `[algo.dcmdp]` / `[algo.acrl]`: `k3`
+as `mismatch/k3`, or `abs_gap`), and acts on it:
 
 - DCMDP: the loss gains `lambda x D_tokens` (aggregated like the policy loss, gradient through the trainer's
   log-probs), so the policy is pulled toward what the engine samples; after the update `lambda <- clip(lambda +
-  dual_lr (D - discrepancy_target), 0, dual_max)`. Within the tolerance lambda decays to 0 and RL runs unchanged.
+  dual_lr (D - target), 0, dual_max)`. Within the tolerance lambda decays to 0 and RL runs unchanged.
 - ACRL: tokens whose log-prob gap exceeds the threshold `tau` get weight 0 in the policy loss (their advantage is
   zeroed), so the update trains on tokens of bounded discrepancy D_trained; after the update `tau` moves toward
-  the largest threshold that would have kept the step's D_trained at `discrepancy_target` (the loosest,
-  `acrl_threshold_max`, when nothing needed masking), within `[acrl_threshold_min, acrl_threshold_max]`.
+  the largest threshold that would have kept the step's D_trained at `target` (the loosest,
+  `threshold_max`, when nothing needed masking), within `[threshold_min, threshold_max]`.
 
 Logged every step: `mismatch/discrepancy` (D of every current token, comparable across methods),
 `mismatch/violation` (the controlled D minus the target: D for DCMDP, D_trained for ACRL), and `mismatch/lambda`,
@@ -21,9 +21,14 @@ state is saved in checkpoints, so a resumed run goes on with the same lambda or 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from rollwise.algo.discrepancy import discrepancy, dual_ascent, fit_threshold, gap_mask, threshold_control
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput
 from rollwise.train.batching import MicroBatch
 from rollwise.train.terms import PolicyTerms
@@ -97,8 +102,36 @@ class DiscrepancyTerms(PolicyTerms):
         return out
 
 
+MEASURE = Field("k3", description="the engine-vs-trainer discrepancy D of a step, on tokens of the current "
+                "version: k3 = KL(engine || trainer) estimate (mismatch/k3), abs_gap = mean |log-prob gap|")
+
+
+class DCMDPOptions(MethodOptions, section="algo", name="dcmdp"):
+    """`[algo.dcmdp]`."""
+
+    measure: Literal["k3", "abs_gap"] = MEASURE
+    target: float = Field(0.01, gt=0.0, description="the tolerance D may reach")
+    dual_lr: float = Field(10.0, gt=0.0, description="lambda <- clip(lambda + dual_lr x (D - target), 0, dual_max) "
+                           "after each step")
+    dual_max: float = Field(100.0, gt=0.0, description="lambda is kept at most this")
+
+
+class ACRLOptions(MethodOptions, section="algo", name="acrl"):
+    """`[algo.acrl]`."""
+
+    measure: Literal["k3", "abs_gap"] = MEASURE
+    target: float = Field(0.01, gt=0.0, description="the most D the tokens an update trains on may have")
+    gain: float = Field(1.0, gt=0.0, le=1.0, description="the gap threshold moves this far (geometrically) toward "
+                        "the one fitted to the last step: 1 = take it, below 1 = smooth it")
+    threshold_max: float = Field(2.0, gt=0.0, description="the loosest (and first) threshold on a token's |log-prob "
+                                 "gap| (2.0: a probability ratio of e^2 = 7.4)")
+    threshold_min: float = Field(0.05, gt=0.0, description="the tightest threshold")
+
+
 class DCMDP(Method):
-    """Reward maximisation under the constraint D <= `algo.discrepancy_target`, by Lagrangian relaxation."""
+    """Reward maximisation under the constraint D <= `[algo.dcmdp] target`, by Lagrangian relaxation."""
+
+    options = DCMDPOptions
 
     label = "lambda"
 
@@ -118,8 +151,8 @@ class DCMDP(Method):
         return 0.0
 
     def make_terms(self) -> DiscrepancyTerms:
-        a = self.setup.cfg.algo
-        return DiscrepancyTerms(a.discrepancy_measure, a.discrepancy_target, penalty=self.value)
+        a = self.opts
+        return DiscrepancyTerms(a.measure, a.target, penalty=self.value)
 
     def prepare(self, step: StepInput) -> Prepared:
         self.terms = self.make_terms()
@@ -131,8 +164,8 @@ class DCMDP(Method):
             self.value = self.update(measured)
 
     def update(self, measured: float) -> float:
-        a = self.setup.cfg.algo
-        return dual_ascent(self.value, measured, a.discrepancy_target, a.dual_lr, a.dual_max)
+        a = self.opts
+        return dual_ascent(self.value, measured, a.target, a.dual_lr, a.dual_max)
 
     def state_dict(self) -> dict:
         return {self.label: self.value}
@@ -142,35 +175,36 @@ class DCMDP(Method):
 
 
 class ACRL(DCMDP):
-    """The tokens an update trains on kept at discrepancy D <= `algo.discrepancy_target` by a per-token gap mask
+
+    options = ACRLOptions
+    """The tokens an update trains on kept at discrepancy D <= `[algo.acrl] target` by a per-token gap mask
     whose threshold is refitted each step."""
 
     label = "acrl_threshold"
 
     @classmethod
     def checks(cls, cfg) -> list[str]:
-        a, errors = cfg.algo, super().checks(cfg)
-        if a.acrl_threshold_min > a.acrl_threshold_max:
-            errors.append(f"algo.acrl_threshold_min = {a.acrl_threshold_min:g} is above algo.acrl_threshold_max = "
-                          f"{a.acrl_threshold_max:g}")
+        a, errors = ACRLOptions.of(cfg), super().checks(cfg)
+        if a.threshold_min > a.threshold_max:
+            errors.append(f"algo.acrl.threshold_min = {a.threshold_min:g} is above algo.acrl.threshold_max = "
+                          f"{a.threshold_max:g}")
         return errors
 
     def initial(self) -> float:
-        return self.setup.cfg.algo.acrl_threshold_max
+        return self.opts.threshold_max
 
     def make_terms(self) -> DiscrepancyTerms:
-        a = self.setup.cfg.algo
-        return DiscrepancyTerms(a.discrepancy_measure, a.discrepancy_target, threshold=self.value)
+        a = self.opts
+        return DiscrepancyTerms(a.measure, a.target, threshold=self.value)
 
     def after_update(self, policy) -> None:
         if self.terms is not None and self.terms.gaps:
-            a = self.setup.cfg.algo
-            self.value = threshold_control(self.value, self.fitted(), a.acrl_gain, a.acrl_threshold_min,
-                                           a.acrl_threshold_max)
+            a = self.opts
+            self.value = threshold_control(self.value, self.fitted(), a.gain, a.threshold_min, a.threshold_max)
 
     def fitted(self) -> float | None:
         """ACRL: the threshold that would have kept the last step's trained D at the target."""
-        terms, a = self.terms, self.setup.cfg.algo
+        terms, a = self.terms, self.opts
         if not terms.gaps:
             return None
-        return fit_threshold(torch.cat(terms.gaps), torch.cat(terms.values), a.discrepancy_target)
+        return fit_threshold(torch.cat(terms.gaps), torch.cat(terms.values), a.target)

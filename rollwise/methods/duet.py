@@ -8,18 +8,18 @@ Two halves, set together (`rollout.strategy = "duet"` and `algo.method = "duet"`
 
 - `DuetStrategy` (the rollout, a `rollout.strategy` plugin):
   * surrogate: the prompt's running pass rate p (an exponential average over its past groups,
-    `rollout.duet_momentum`); a prompt not seen yet takes its family's (for arith the operator, `info["op"]`,
+    `rollout.duet.momentum`); a prompt not seen yet takes its family's (for arith the operator, `info["op"]`,
     within its `[[data.mix]]` source), then the running rate over all prompts (0.5 before any). Informativeness
     is the Bernoulli variance `u = p (1 - p)`, the expected reward variance of its group, which GRPO's signal
     needs.
-  * counts: the round's budget `rollout.duet_budget_tokens` buys `R = floor(budget / L)` rollouts, `L` the
+  * counts: the round's budget `rollout.duet.budget_tokens` buys `R = floor(budget / L)` rollouts, `L` the
     running mean tokens per rollout (`rollout.max_new_tokens` before the first round), within
-    `[duet_min_samples, samples_per_prompt] x prompts`. Each prompt gets `duet_min_samples`; the rest go one at a
+    `[min_samples, samples_per_prompt] x prompts`. Each prompt gets `min_samples`; the rest go one at a
     time to the prompt with the largest `(u + 1e-3) / (n + 1)` below `samples_per_prompt` (D'Hondt's rule:
     counts proportional to u, a tiny floor so that solved and hopeless prompts are not starved below the
     minimum only by ties). The group keeps the first n of its samples; the others are never generated.
-  * abort rule: every rollout first runs `rollout.duet_abort_tokens` tokens; one that reached it without having
-    written `rollout.duet_marker` is aborted there (kept as a truncated response, `info["duet_aborted"]`), the
+  * abort rule: every rollout first runs `rollout.duet.abort_tokens` tokens; one that reached it without having
+    written `rollout.duet.marker` is aborted there (kept as a truncated response, `info["duet_aborted"]`), the
     others continue to `rollout.max_new_tokens`. Tokens not generated are logged (`duet/tokens_saved`).
 - `DUET` (the method): aborted responses stay in their group's baseline with the reward their prefix earns
   (usually 0: the answer comes after the marker) and leave the update; the survivors of a group of n with s
@@ -42,6 +42,9 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import count
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.errors import UserError
 from rollwise.generate.groups import GenerateStats, StopRule, is_complete
 from rollwise.methods.base import Prepared, StepInput, outcome_advantage_errors
@@ -71,18 +74,31 @@ def family(prompt: Prompt) -> str:
     return f"{prompt.origin}/{prompt.info.get('op', '')}"
 
 
+class DuetOptions(MethodOptions, section="rollout", name="duet"):
+    """`[rollout.duet]`: DUET's rollout allocation and abort rule (with `algo.method = "duet"`)."""
+
+    budget_tokens: int = Field(0, ge=0, description="rollout tokens one generation round may spend; the rollouts it "
+                               "buys go to prompts by informativeness; 0 = samples_per_prompt for every prompt")
+    min_samples: int = Field(2, ge=2, description="rollouts every prompt gets, whatever its informativeness")
+    abort_tokens: int = Field(0, ge=0, description="a rollout that has not written the marker after this many tokens "
+                              "is aborted there (and left out of the update); 0 = no abort rule")
+    marker: str = Field("The answer is", min_length=1, description="the text whose appearance lets a rollout "
+                        "continue past abort_tokens")
+    momentum: float = Field(0.5, ge=0.0, lt=1.0, description="running pass rate = momentum x old + (1 - momentum) x "
+                            "the new group's; also the running tokens per rollout")
+
+
 class DuetStrategy:
     """The rollout half of DUET (see the module docstring).
 
     Args:
-        cfg: the run config (`rollout.duet_*`, `samples_per_prompt`, `max_new_tokens`).
+        cfg: the run config (`[rollout.duet]`, `samples_per_prompt`, `max_new_tokens`).
     """
 
     def __init__(self, cfg) -> None:
-        r = cfg.rollout
-        self.budget_tokens, self.min_samples, self.max_samples = r.duet_budget_tokens, r.duet_min_samples, \
-            r.samples_per_prompt
-        self.abort_tokens, self.marker, self.momentum = r.duet_abort_tokens, r.duet_marker, r.duet_momentum
+        r, o = cfg.rollout, DuetOptions.of(cfg)
+        self.budget_tokens, self.min_samples, self.max_samples = o.budget_tokens, o.min_samples, r.samples_per_prompt
+        self.abort_tokens, self.marker, self.momentum = o.abort_tokens, o.marker, o.momentum
         self.tokens_per_rollout = float(r.max_new_tokens)
         self.pass_rate: dict[str, float] = {}  # prompt uid or family -> running pass rate
         self.overall = 0.5
@@ -176,21 +192,24 @@ def duet_strategy(cfg, context=None) -> DuetStrategy:
     return DuetStrategy(cfg)
 
 
+duet_strategy.options = DuetOptions
+
+
 class DUET(RL):
     """The method half of DUET: aborted responses leave the update, the survivors of a group are weighted by
     `n / s` (then the plain RL step)."""
 
     @classmethod
     def checks(cls, cfg) -> list[str]:
-        r, errors = cfg.rollout, []
+        r, o, errors = cfg.rollout, DuetOptions.of(cfg), []
         if r.strategy != DUET_STRATEGY:
             errors.append(f"algo.method = 'duet' allocates rollouts in its rollout strategy: set rollout.strategy = "
                           f"{DUET_STRATEGY!r} (now {r.strategy!r})")
-        if r.duet_min_samples > r.samples_per_prompt:
-            errors.append(f"rollout.duet_min_samples = {r.duet_min_samples} is above rollout.samples_per_prompt = "
+        if o.min_samples > r.samples_per_prompt:
+            errors.append(f"rollout.duet.min_samples = {o.min_samples} is above rollout.samples_per_prompt = "
                           f"{r.samples_per_prompt}: lower it")
-        if r.duet_abort_tokens >= r.max_new_tokens:
-            errors.append(f"rollout.duet_abort_tokens = {r.duet_abort_tokens} is not below rollout.max_new_tokens = "
+        if o.abort_tokens >= r.max_new_tokens:
+            errors.append(f"rollout.duet.abort_tokens = {o.abort_tokens} is not below rollout.max_new_tokens = "
                           f"{r.max_new_tokens}: the abort rule would never act; lower it, or 0 to turn it off")
         return errors + outcome_advantage_errors("duet", cfg, "weighs outcome advantages")
 

@@ -8,11 +8,11 @@ objective.
 Here, per step:
 - an all-success group is a group of >= 2 usable samples every one of which is verified correct
   (`sample.correct is True`, set by the reward); its samples are the echo samples (their advantage is 0);
-- the EchoClip of an echo sample is the contiguous span of `k = ceil(algo.echorl_clip_frac x n)` of its n trained
+- the EchoClip of an echo sample is the contiguous span of `k = ceil(algo.echorl.clip_frac x n)` of its n trained
   tokens whose mean policy entropy is the lowest (entropy of the trainer's own forward pass, per token: the
   abstract's step-level entropy at token granularity; the paper derives it from the low entropy of expert
   "golden" trajectories, which we do not have: the policy's own confident span stands in);
-- the loss gains `algo.echorl_coef x aggregate(-log pi(y_t), EchoClip mask)`, aggregated like the policy loss
+- the loss gains `algo.echorl.coef x aggregate(-log pi(y_t), EchoClip mask)`, aggregated like the policy loss
   with the batch's normalisers (an SFT term on those tokens only, gradient through the trainer's log-probs).
 
 Groups whose rewards are all equal are kept for the method (`keeps_uniform_groups`); those that are not
@@ -28,6 +28,9 @@ import math
 
 import torch
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput
 from rollwise.train.batching import MicroBatch
 from rollwise.train.terms import PolicyTerms
@@ -105,8 +108,19 @@ class EchoTerms(PolicyTerms):
                 "echorl/echo_entropy_mean": s["echo_entropy"] / s["echo_tokens"]}
 
 
+class EchoRLOptions(MethodOptions, section="algo", name="echorl"):
+    """`[algo.echorl]`."""
+
+    coef: float = Field(0.1, ge=0.0, description="weight of the auxiliary NLL of the EchoClips (low-entropy spans of "
+                        "correct responses in all-success groups)")
+    clip_frac: float = Field(0.25, gt=0.0, le=1.0, description="an EchoClip's length as a fraction of the "
+                             "response's trained tokens (the contiguous span of lowest mean entropy)")
+
+
 class EchoRL(Method):
     """The plain RL step plus EchoRL's auxiliary NLL on EchoClips (module docstring)."""
+
+    options = EchoRLOptions
 
     keeps_uniform_groups = True
 
@@ -120,7 +134,7 @@ class EchoRL(Method):
             uniform = {id(s) for g in step.groups if _uniform(g) and not all_success(g) for s in g.samples}
             samples = [s for s in samples if id(s) not in uniform]
         metrics = {"echorl/echo_groups": float(len(echo_groups)), "echorl/echo_samples": float(len(echo))}
-        return Prepared(samples, EchoTerms(echo, a.echorl_coef, a.echorl_clip_frac), metrics,
+        return Prepared(samples, EchoTerms(echo, self.opts.coef, self.opts.clip_frac), metrics,
                         record=lambda s: {"echorl_echo": id(s) in echo})
 
 

@@ -20,13 +20,16 @@ The weights are normalised over the whole batch (not within a group), so that gr
 responses of high surprise take a larger share of the update: the heterogeneity across prompts the paper targets,
 without task labels. `tau -> inf` gives w = 1 (plain GRPO). The reference is the run's starting model, held by the
 method (`rollwise.methods.reference`); the weights are computed once per step on the fresh samples (replayed ones
-keep the advantage they were trained with). Keys: `algo.hargo_alpha`, `algo.hargo_gamma`, `algo.hargo_temperature`.
+keep the advantage they were trained with). Keys: `[algo.hargo] alpha, gamma, temperature`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.methods.reference import FrozenReference
 
@@ -57,8 +60,20 @@ def hargo_weights(advantages: torch.Tensor, contrast: torch.Tensor, confidence: 
     return weights, modulated
 
 
+class HargoOptions(MethodOptions, section="algo", name="hargo"):
+    """`[algo.hargo]`."""
+
+    alpha: float = Field(1.0, ge=0.0, description="strength of the group's reward contrast D in the modulated "
+                         "advantage M = A (1 + alpha D)(1 + gamma u)")
+    gamma: float = Field(1.0, ge=0.0, description="strength of the reference-confidence surprise u")
+    temperature: float = Field(2.0, gt=0.0, description="per-response weights w = n softmax(|M| / mean|M| / "
+                               "temperature) over the batch; larger = closer to plain GRPO (w = 1)")
+
+
 class HARGO(Method):
     """Outcome advantages reweighted per response by HARGO (module docstring)."""
+
+    options = HargoOptions
 
     def __init__(self, setup) -> None:
         super().__init__(setup)
@@ -72,14 +87,13 @@ class HARGO(Method):
         samples = step.samples
         if not samples:
             return Prepared(samples)
-        a = self.setup.cfg.algo
+        a = self.opts
         ref = self.reference.sample_logprobs(samples)
         confidence = torch.tensor([_confidence(ref[id(s)], s.loss_mask) for s in samples])
         rewards = torch.tensor([s.reward if s.train_reward is None else s.train_reward for s in samples])
         contrast = reward_contrast(rewards, torch.tensor([s.group_id for s in samples]))
         advantages = torch.tensor([s.advantage for s in samples])
-        weights, modulated = hargo_weights(advantages, contrast, confidence, a.hargo_alpha, a.hargo_gamma,
-                                           a.hargo_temperature)
+        weights, modulated = hargo_weights(advantages, contrast, confidence, a.alpha, a.gamma, a.temperature)
         for s, w in zip(samples, weights.tolist()):  # in place: replay and the record know samples by identity
             s.advantage = float(w) * s.advantage
         out = samples

@@ -18,14 +18,14 @@ What the abstracts leave open, and what is filled in here:
 
 - the advantage of a relabelled response (ZipRL: "HRR into GRPO via generalized advantage reshaping"): it has
   no group of its own under the new prompt, so it is scored against the group it was sampled in:
-  `A = hrr_weight x (r_relabelled - mean reward of its original group)`; in a group that failed everywhere
-  (the case hindsight is for, LfH) that is `hrr_weight x r_relabelled`. No std normalisation: the std of an
+  `A = weight x (r_relabelled - mean reward of its original group)`; in a group that failed everywhere
+  (the case hindsight is for, LfH) that is `weight x r_relabelled`. No std normalisation: the std of an
   all-failed group is 0.
 - groups whose rewards are all equal reach the method (`keeps_uniform_groups`): their failures are what gets
   relabelled; their original responses, advantage 0, still leave the update as the zero-variance filter would
   have dropped them (with `algo.filter_zero_variance`).
 - "replay": relabelled responses join the update of the step that sampled them (one replay), at most
-  `algo.hrr_max_per_group` per group; they are not stored for later steps.
+  `algo.hrr.max_per_group` per group; they are not stored for later steps.
 - a relabelled response keeps the engine's behaviour log-probs, which were taken under the original prompt; the
   trainer's old log-probs must therefore be recomputed under the relabelled one (`train.old_logprobs =
   "recompute"`, checked) and no engine importance correction applies (`algo.is_correction = "none"`, checked).
@@ -44,6 +44,9 @@ import copy
 from typing import Any, Callable
 
 from rollwise.data.tasks import task_factory, text_uid, user_prompt
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.rewards.scoring import build_reward_fn, score_batch
 from rollwise.rewards.verifiers import final_integer
@@ -87,8 +90,19 @@ def relabel_arith(task: Any, sample: Sample) -> Prompt | None:
 RELABELERS: dict[str, Callable[[Any, Sample], Prompt | None]] = {"arith": relabel_arith}
 
 
+class HRROptions(MethodOptions, section="algo", name="hrr"):
+    """`[algo.hrr]`."""
+
+    weight: float = Field(1.0, gt=0.0, description="a relabelled response's advantage is weight x (its reward under "
+                          "the relabelled goal - its group's mean reward)")
+    max_per_group: int = Field(4, ge=1, description="at most this many failed responses of a group are relabelled "
+                               "and replayed per step")
+
+
 class HRR(Method):
     """The plain RL step plus failed responses replayed under the goal they reached."""
+
+    options = HRROptions
 
     keeps_uniform_groups = True
 
@@ -131,7 +145,7 @@ class HRR(Method):
             failed += len(failures)
             twins = 0
             for s in failures:
-                twin = self.relabelled(s) if twins < cfg.algo.hrr_max_per_group else None
+                twin = self.relabelled(s) if twins < self.opts.max_per_group else None
                 if twin is not None:
                     twin.info["hrr_group_mean_reward"] = mean_reward
                     relabelled.append((s, twin))
@@ -141,7 +155,7 @@ class HRR(Method):
         relabelled = [(s, t) for s, t in relabelled if id(t) in scored]
         for s, t in relabelled:
             t.train_reward = t.reward
-            t.advantage = cfg.algo.hrr_weight * (t.reward - t.info["hrr_group_mean_reward"])
+            t.advantage = self.opts.weight * (t.reward - t.info["hrr_group_mean_reward"])
         self.goals = {id(s): t.prompt.answer for s, t in relabelled}
         twins = [t for _, t in relabelled]
         metrics = {

@@ -18,9 +18,9 @@ One step here:
        gain  = mean_tokens(r x A) - mean_tokens(A)          (importance-sampled surrogate improvement of the
                                                              engine's policy over the sampler)
        kl    = mean_tokens(r - 1 - log r)                   (k3 estimate of KL(sampler || engine_new))
-       proxy = gain - algo.mipu_kl_coef x kl
+       proxy = gain - algo.mipu.kl_coef x kl
 
-3. Accept when proxy >= -algo.mipu_tolerance; else reject: the trainer's parameters and optimizer state are put
+3. Accept when proxy >= -algo.mipu.tolerance; else reject: the trainer's parameters and optimizer state are put
    back bit for bit, and the step's sync (in the loop, right after) sends the engine those restored weights.
    A candidate whose sync check fails (the engine's copy differs from the trainer's by more than
    `sync.max_logprob_diff`, e.g. a ruined update rounded to int8) is rejected the same way, with no proxy; a
@@ -28,10 +28,10 @@ One step here:
 
 What the abstract leaves open, filled in here: the gap proxy's form. The surrogate gain alone accepts a ruined
 policy whenever the long responses had negative advantages (r ~ 0 makes gain = -mean(A)), so the proxy is a
-TRPO-style lower bound, gain minus a KL penalty measured on the inference side (`mipu_kl_coef = 0` gives the bare
+TRPO-style lower bound, gain minus a KL penalty measured on the inference side (`kl_coef = 0` gives the bare
 surrogate). Departures: the learning-rate schedule and the policy version still advance on a rejected step (as
 `skip_step`); the candidate costs one extra sync and one engine scoring pass per step; a run stops when
-`algo.mipu_max_rejects_in_row` updates in a row are rejected (the policy could not move). Only the local trainer
+`algo.mipu.max_rejects_in_row` updates in a row are rejected (the policy could not move). Only the local trainer
 backend with an engine in this process (synchronous control) is supported: the method must hold both sides.
 
 Logged per step: `mipu/proxy`, `mipu/gain`, `mipu/kl`, `mipu/accepted` (1 or 0), `mipu/rejected_steps` (so far in
@@ -47,12 +47,15 @@ import time
 import torch
 
 from rollwise.errors import UserError
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput
 from rollwise.sync import SyncError
 
 
 class MIPURejectError(UserError, RuntimeError):
-    """Every candidate update was rejected for `algo.mipu_max_rejects_in_row` steps in a row."""
+    """Every candidate update was rejected for `algo.mipu.max_rejects_in_row` steps in a row."""
 
 
 def inference_proxy(engine_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -72,8 +75,22 @@ def inference_proxy(engine_logp: torch.Tensor, old_logp: torch.Tensor, advantage
     return {"gain": gain, "kl": kl, "proxy": gain - kl_coef * kl}
 
 
+class MIPUOptions(MethodOptions, section="algo", name="mipu"):
+    """`[algo.mipu]`."""
+
+    tolerance: float = Field(1e-3, ge=0.0, description="a candidate update is kept when the engine-side proxy "
+                             "(surrogate gain - kl_coef x KL, in advantage units) is >= -tolerance; else the "
+                             "trainer's weights and optimizer state are restored")
+    kl_coef: float = Field(1.0, ge=0.0, description="weight of the engine-side KL(sampler || candidate) estimate "
+                           "subtracted from the surrogate gain in the proxy; 0 = the bare surrogate")
+    max_rejects_in_row: int = Field(10, ge=0, description="the run stops when this many updates in a row are "
+                                    "rejected (the policy cannot move); 0 = never stop")
+
+
 class MIPU(Method):
     """The plain RL step as a candidate, kept only when the engine's policy improves by the gap proxy."""
+
+    options = MIPUOptions
 
     def __init__(self, setup) -> None:
         super().__init__(setup)
@@ -122,9 +139,9 @@ class MIPU(Method):
             engine_logp = torch.zeros(0)
         else:
             engine_logp, old_logp, advantages = self._token_logprobs(engine)
-            values = inference_proxy(engine_logp, old_logp, advantages, self.setup.cfg.algo.mipu_kl_coef)
-            why = f"proxy {values['proxy']:.4g} < -{self.setup.cfg.algo.mipu_tolerance:g} (algo.mipu_tolerance)"
-        accept = math.isfinite(values["proxy"]) and values["proxy"] >= -self.setup.cfg.algo.mipu_tolerance
+            values = inference_proxy(engine_logp, old_logp, advantages, self.opts.kl_coef)
+            why = f"proxy {values['proxy']:.4g} < -{self.opts.tolerance:g} (algo.mipu.tolerance)"
+        accept = math.isfinite(values["proxy"]) and values["proxy"] >= -self.opts.tolerance
         if accept:
             self.accepted += 1
             self.rejects_in_row = 0
@@ -139,11 +156,11 @@ class MIPU(Method):
                              "mipu/sync_rejected": float("gain" not in values),
                              "mipu/tokens": float(engine_logp.numel()),
                              "mipu/check_s": time.perf_counter() - start})
-        limit = self.setup.cfg.algo.mipu_max_rejects_in_row
+        limit = self.opts.max_rejects_in_row
         if limit and self.rejects_in_row >= limit:
             raise MIPURejectError(
-                f"mipu rejected {self.rejects_in_row} updates in a row (algo.mipu_max_rejects_in_row = {limit}): the "
-                "policy cannot move; lower train.lr, raise algo.mipu_tolerance or lower algo.mipu_kl_coef")
+                f"mipu rejected {self.rejects_in_row} updates in a row (algo.mipu.max_rejects_in_row = {limit}): the "
+                "policy cannot move; lower train.lr, raise algo.mipu.tolerance or lower algo.mipu.kl_coef")
 
     def _engine(self):
         sync = self.setup.sync

@@ -3,9 +3,9 @@
 Per micro-batch the terms read the trainer's log-probs of the sampled tokens before the update (`own_logp`) and a
 frozen reference's (the run's starting model, `rollwise.methods.reference`), and train the token advantage
 
-    A_t = A_outcome + algo.progress_coef x P_{k(t)},   P_k = sum over step k's tokens of log pi(y_t) - log pi_ref(y_t)
+    A_t = A_outcome + algo.progress.coef x P_{k(t)},   P_k = sum over step k's tokens of log pi(y_t) - log pi_ref(y_t)
 
-with steps of `algo.progress_step_tokens` trained tokens. At step 0 pi = pi_ref and the run is plain GRPO; as the
+with steps of `algo.progress.step_tokens` trained tokens. At step 0 pi = pi_ref and the run is plain GRPO; as the
 policy moves away from its reference, steps it has come to prefer (P_k > 0) gain advantage and steps it has come
 to avoid lose it, within every response (a step-level credit that outcome advantages do not have).
 `algo.advantage` stays an outcome estimator (grpo, ...): it gives A_outcome. Set it to "progress" with the plain
@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 
 from rollwise import algo
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.methods.reference import FrozenReference
 from rollwise.train.batching import MicroBatch
@@ -64,8 +67,19 @@ class ProgressTerms(PolicyTerms):
                 "progress/adv_shift_abs_mean": self.coef * self.sums["step_abs"] / n}
 
 
+class ProgressOptions(MethodOptions, section="algo", name="progress"):
+    """`[algo.progress]`."""
+
+    coef: float = Field(0.5, ge=0.0, description="weight beta of the progress advantage beta x sum of log(pi / "
+                        "pi_ref) over a step's tokens, added to the outcome advantage")
+    step_tokens: int = Field(8, ge=1, description="tokens per reasoning step (the response is cut into steps of "
+                             "this many trained tokens)")
+
+
 class Progress(Method):
     """The plain RL step with the progress advantage added per step of tokens."""
+
+    options = ProgressOptions
 
     def __init__(self, setup) -> None:
         super().__init__(setup)
@@ -82,4 +96,4 @@ class Progress(Method):
 
     def prepare(self, step: StepInput) -> Prepared:
         a = self.setup.cfg.algo
-        return Prepared(step.samples, ProgressTerms(self.reference, a.progress_coef, a.progress_step_tokens))
+        return Prepared(step.samples, ProgressTerms(self.reference, self.opts.coef, self.opts.step_tokens))

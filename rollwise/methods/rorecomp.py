@@ -17,9 +17,9 @@ What the abstract leaves open, and what is filled in here:
 - advantages stay those of the full online group (the Filter stage computes them before the method sees the
   batch), so recomposition changes which responses train, not their advantages.
 - rollwise makes one update per step, so a compensation batch joins the step's priority batch in the same update
-  once the buffer holds `algo.rorecomp_compensation_size` responses (the oldest first), instead of a separate
-  update; entries older than `algo.rorecomp_max_age` policy versions are evicted (the trainer's importance
-  correction, `algo.is_correction`, weighs the stale ones). `rorecomp_compensation_size = 0` trains priority
+  once the buffer holds `algo.rorecomp.compensation_size` responses (the oldest first), instead of a separate
+  update; entries older than `algo.rorecomp.max_age` policy versions are evicted (the trainer's importance
+  correction, `algo.is_correction`, weighs the stale ones). `compensation_size = 0` trains priority
   batches only (the ablation without compensation).
 
 Metrics per step: `rorecomp/priority_frac` (share of the step's fresh responses in the priority batch),
@@ -35,6 +35,9 @@ import statistics
 from dataclasses import dataclass
 
 from rollwise.generate.groups import oldest_version
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput
 from rollwise.types import Sample
 
@@ -66,8 +69,19 @@ def _mean_len(samples: list[Sample]) -> float:
     return sum(len(s.response_ids) for s in samples) / len(samples) if samples else 0.0
 
 
+class RoRecompOptions(MethodOptions, section="algo", name="rorecomp"):
+    """`[algo.rorecomp]`."""
+
+    compensation_size: int = Field(16, ge=0, description="responses of a compensation batch (from the buffer of "
+                                   "those left out of priority batches) joined to an update once the buffer holds "
+                                   "that many; 0 = priority batches only")
+    max_age: int = Field(4, ge=0, description="buffered responses older than this many policy versions are evicted")
+
+
 class RoRecomp(Method):
     """Priority batches from the online batch, compensation batches from a buffer of the rest."""
+
+    options = RoRecompOptions
 
     def __init__(self, setup) -> None:
         super().__init__(setup)
@@ -93,9 +107,9 @@ class RoRecomp(Method):
             priority += picked
             deferred += rest
         self.buffer += [Deferred(s, oldest_version([s], step.step)) for s in deferred]
-        self.buffer = [d for d in self.buffer if step.step - d.version <= a.rorecomp_max_age]
+        self.buffer = [d for d in self.buffer if step.step - d.version <= self.opts.max_age]
         compensation: list[Sample] = []
-        size = a.rorecomp_compensation_size
+        size = self.opts.compensation_size
         if size > 0 and len(self.buffer) >= size:
             self.buffer.sort(key=lambda d: d.version)  # stable: the oldest first
             drawn, self.buffer = self.buffer[:size], self.buffer[size:]

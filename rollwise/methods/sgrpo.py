@@ -1,13 +1,13 @@
 """SGRPO (Supergroup Relative Policy Optimization): a set-level diversity reward, redistributed to rollouts by
 leave-one-out contribution and combined with the utility reward (`algo.method = "sgrpo"`).
 
-For each prompt, its responses (the supergroup) are split into `algo.sgrpo_sets` candidate sets `S`. Diversity
-is distinct-n over token ids (n = `algo.sgrpo_ngram`), a set-level and embedding-free measure:
+For each prompt, its responses (the supergroup) are split into `algo.sgrpo.sets` candidate sets `S`. Diversity
+is distinct-n over token ids (n = `algo.sgrpo.ngram`), a set-level and embedding-free measure:
 
     D(S)     = |union of the n-grams of the responses in S| / (total n-grams of the responses in S)   in [0, 1]
     c_i      = max(0, D(S) - D(S \\ {i}))                       leave-one-out contribution of response i
     d_i      = |S| * D(S) * c_i / sum_{j in S} c_j             (d_i = D(S) for all i when every c_j = 0)
-    r'_i     = u_i + sgrpo_coef * d_i
+    r'_i     = u_i + coef * d_i
 
 `d` hands the set's diversity reward `|S| * D(S)` out to its members in proportion to what each adds (a
 duplicate adds nothing), so its mean over a set is `D(S)`: a response in a more diverse set gets more, and the
@@ -33,6 +33,9 @@ import torch
 
 from rollwise import algo
 from rollwise.algo.options import estimator_options
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput
 from rollwise.types import Sample
 
@@ -86,25 +89,38 @@ def diversity_credits(samples: list[Sample], sets: int, n: int) -> tuple[list[fl
     return credits, set_d
 
 
+class SGRPOOptions(MethodOptions, section="algo", name="sgrpo"):
+    """`[algo.sgrpo]`."""
+
+    coef: float = Field(0.1, ge=0.0, description="weight of the set-level diversity credit added to the utility "
+                        "reward (one reply's credit can reach sets' size x D: at 0.5 it outweighs a 0/1 utility)")
+    ngram: int = Field(2, ge=1, le=8, description="n of the distinct token n-grams that measure a set's diversity")
+    sets: int = Field(2, ge=1, description="candidate sets each prompt's responses are split into (the "
+                      "supergroup); rollout.samples_per_prompt must be a multiple of it, with at least 2 responses "
+                      "per set")
+
+
 class SGRPO(Method):
-    """GRPO on `utility + sgrpo_coef * diversity credit` (see the module docstring)."""
+    """GRPO on `utility + coef * diversity credit` (see the module docstring)."""
+
+    options = SGRPOOptions
 
     keeps_uniform_groups = True  # a group with equal utilities still differs in diversity
 
     @classmethod
     def checks(cls, cfg) -> list[str]:
-        a, k = cfg.algo, cfg.rollout.samples_per_prompt
+        a, o, k = cfg.algo, SGRPOOptions.of(cfg), cfg.rollout.samples_per_prompt
         errors = []
         if algo.is_token_advantage(a.advantage) or a.advantage == "moa":
             errors.append(f"algo.method = 'sgrpo' recomputes outcome advantages from utility + diversity: "
                           f"algo.advantage = {a.advantage!r} cannot take them; use grpo, dr_grpo, rloo or "
                           "reinforce_pp")
-        if k % a.sgrpo_sets or k // a.sgrpo_sets < 2:
-            errors.append(f"algo.sgrpo_sets = {a.sgrpo_sets} must divide rollout.samples_per_prompt = {k} into sets "
+        if k % o.sets or k // o.sets < 2:
+            errors.append(f"algo.sgrpo.sets = {o.sets} must divide rollout.samples_per_prompt = {k} into sets "
                           "of at least 2 responses; choose a divisor of samples_per_prompt up to half of it")
-        if cfg.rollout.max_new_tokens < a.sgrpo_ngram:
-            errors.append(f"algo.sgrpo_ngram = {a.sgrpo_ngram} is longer than rollout.max_new_tokens = "
-                          f"{cfg.rollout.max_new_tokens}: no response could have an n-gram; lower sgrpo_ngram")
+        if cfg.rollout.max_new_tokens < o.ngram:
+            errors.append(f"algo.sgrpo.ngram = {o.ngram} is longer than rollout.max_new_tokens = "
+                          f"{cfg.rollout.max_new_tokens}: no response could have an n-gram; lower algo.sgrpo.ngram")
         return errors
 
     def prepare(self, step: StepInput) -> Prepared:
@@ -112,9 +128,9 @@ class SGRPO(Method):
         if not samples:
             return Prepared(samples)
         a = self.setup.cfg.algo
-        credits, set_d = diversity_credits(samples, a.sgrpo_sets, a.sgrpo_ngram)
+        credits, set_d = diversity_credits(samples, self.opts.sets, self.opts.ngram)
         utility = [s.train_reward if s.train_reward is not None else s.reward for s in samples]
-        combined = torch.tensor([u + a.sgrpo_coef * d for u, d in zip(utility, credits)], dtype=torch.float32)
+        combined = torch.tensor([u + self.opts.coef * d for u, d in zip(utility, credits)], dtype=torch.float32)
         group_ids = torch.tensor([s.group_id for s in samples])  # [N]
         options = estimator_options(self.setup.cfg, samples)  # the same keywords as the plain estimator gets
         advantages = algo.advantage(a.advantage, combined, group_ids, **options)  # [N]

@@ -5,7 +5,7 @@ The strategy writes `Sample.info["step_values"]` = [(start, end, Q)] over respon
 outcome reward of the search's completions below that step: a Monte-Carlo process reward) and
 `info["root_value"]` = Q(root). The terms give every token of step k the step advantage
 
-    A_t = (1 - algo.tree_value_coef) x A_outcome + algo.tree_value_coef x (Q(k) - Q(k - 1)),   Q(-1) = Q(root)
+    A_t = (1 - algo.tree.value_coef) x A_outcome + algo.tree.value_coef x (Q(k) - Q(k - 1)),   Q(-1) = Q(root)
 
 so a step that raised the chance of a correct completion is reinforced and one that lowered it is pushed down,
 inside responses that share the same outcome reward (which a GRPO outcome advantage cannot tell apart). The
@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.methods.base import Method, Prepared, StepInput, outcome_advantage_errors
 from rollwise.train.batching import MicroBatch
 from rollwise.train.terms import PolicyTerms
@@ -72,8 +75,18 @@ class TreeTerms(PolicyTerms):
                 "tree/samples_without_values": self.sums.get("without", 0.0)}
 
 
+class TreeValueOptions(MethodOptions, section="algo", name="tree"):
+    """`[algo.tree]` (with `rollout.strategy = "tree"`, whose search is `[rollout.tree]`)."""
+
+    value_coef: float = Field(1.0, ge=0.0, le=1.0, description="a token's advantage = (1 - coef) x the outcome "
+                              "advantage + coef x (Q(its step) - Q(the step before)), Q from the tree search; 1 = "
+                              "step values only")
+
+
 class Tree(Method):
     """The plain RL step with the tree search's step values as token advantages."""
+
+    options = TreeValueOptions
 
     @classmethod
     def checks(cls, cfg) -> list[str]:
@@ -84,4 +97,4 @@ class Tree(Method):
         return errors + outcome_advantage_errors("tree", cfg, "mixes step values with an outcome advantage")
 
     def prepare(self, step: StepInput) -> Prepared:
-        return Prepared(step.samples, TreeTerms(self.setup.cfg.algo.tree_value_coef))
+        return Prepared(step.samples, TreeTerms(self.opts.value_coef))

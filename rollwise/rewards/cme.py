@@ -1,5 +1,5 @@
 """CME (Cross-Model Entropy): a label-free reward, the mean log-likelihood per token of the response under a
-separate verifier model (`reward.fn = "cme"`, `reward.cme_model`).
+separate verifier model (`reward.fn = "cme"`, `reward.cme.model`).
 
     r_i = (1 / |y_i|) * sum_t log p_V(y_i,t | x_i, y_i,<t)        (a negative number; higher = more plausible)
 
@@ -17,10 +17,10 @@ abstract is silent, and why:
   `data.system_prompt`, which is the policy's instruction, not part of the question. An empty response has no
   token to score (its end-of-turn token alone would be an arbitrary score): it is a failed reward (counted).
 - Label-free means the reward never reads `prompt.answer`. For accuracy metrics and held-out evaluation a verdict
-  can still be recorded by `reward.cme_verifier` (a verifier name such as "arith"): it sets `correct` and the part
+  can still be recorded by `reward.cme.verifier` (a verifier name such as "arith"): it sets `correct` and the part
   `correct`, never the value.
 
-Batching: `score_many(samples, timeout_s)` packs `reward.cme_batch_size` responses per forward (right padded).
+Batching: `score_many(samples, timeout_s)` packs `reward.cme.batch_size` responses per forward (right padded).
 """
 
 from __future__ import annotations
@@ -30,13 +30,27 @@ from typing import Any
 
 import torch
 
+from pydantic import Field
+
 from rollwise.config import RewardConfig
+from rollwise.config_methods import MethodOptions
 from rollwise.rewards.calling import as_result, decide_correct, get_reward_fn
 from rollwise.types import RewardResult, Sample
 
 
+class CMEOptions(MethodOptions, section="reward", name="cme"):
+    """`[reward.cme]` (with `reward.fn = "cme"`): Cross-Model Entropy, a label-free reward from a second model."""
+
+    model: str | None = Field(None, description="the verifier model (a local HF directory, a hub id or "
+                              "'smollm2-135m-instruct') whose mean log-likelihood per response token is the reward")
+    verifier: str | None = Field(None, description="a verifier (e.g. 'arith') whose verdict is recorded as `correct` "
+                                 "for accuracy metrics and held-out evaluation, never the reward; None = no verdict "
+                                 "(accuracy reads 0)")
+    batch_size: int = Field(16, ge=1, description="responses scored by the verifier model in one forward")
+
+
 class CMEReward:
-    """The CME reward of `reward.cme_model` (see the module docstring); build with `from_config(reward_cfg)`."""
+    """The CME reward of `reward.cme.model` (see the module docstring); build with `from_config(reward_cfg)`."""
 
     def __init__(self, model_name: str, batch_size: int = 16, verifier: str | None = None,
                  loaded: tuple[Any, Any] | None = None) -> None:
@@ -130,38 +144,41 @@ class CMEReward:
 
 
 def from_config(cfg: RewardConfig) -> CMEReward:
-    return CMEReward(cfg.cme_model, cfg.cme_batch_size, cfg.cme_verifier)
+    o = CMEOptions.of(cfg)
+    return CMEReward(o.model, o.batch_size, o.verifier)
 
 
 def config_errors(cfg: RewardConfig) -> list[str]:
     """What keeps `reward.fn = "cme"` from running (checked at --dry-run)."""
     from rollwise.models import check_model_source
 
-    if not cfg.cme_model:
-        return ["reward.fn = 'cme' needs reward.cme_model: set it to the verifier model (a local HF directory, a "
+    o = CMEOptions.of(cfg)
+    if not o.model:
+        return ["reward.fn = 'cme' needs reward.cme.model: set it to the verifier model (a local HF directory, a "
                 "hub id or 'smollm2-135m-instruct')"]
     errors = []
-    path = Path(cfg.cme_model).expanduser()
-    if cfg.cme_model.startswith(("/", ".", "~")) and not (path / "config.json").is_file():
-        errors.append(f"reward.cme_model = {cfg.cme_model!r} is not a model directory (no config.json there): "
+    path = Path(o.model).expanduser()
+    if o.model.startswith(("/", ".", "~")) and not (path / "config.json").is_file():
+        errors.append(f"reward.cme.model = {o.model!r} is not a model directory (no config.json there): "
                       "set it to a saved HF model directory")
     try:
-        check_model_source(cfg.cme_model)
+        check_model_source(o.model)
     except Exception as exc:
-        errors.append(f"reward.cme_model = {cfg.cme_model!r}: {exc}")
-    if cfg.cme_verifier:
+        errors.append(f"reward.cme.model = {o.model!r}: {exc}")
+    if o.verifier:
         try:
-            get_reward_fn(cfg.cme_verifier)
+            get_reward_fn(o.verifier)
         except Exception as exc:
-            errors.append(f"reward.cme_verifier = {cfg.cme_verifier!r} is not a reward ({exc}); name a verifier "
+            errors.append(f"reward.cme.verifier = {o.verifier!r} is not a reward ({exc}); name a verifier "
                           "such as 'arith' or remove the key")
     return errors
 
 
 def cme(sample: Sample) -> RewardResult:
     """Registered stand-in: a run builds the CME reward from `[reward]` (`from_config`); called directly, say so."""
-    raise RuntimeError("reward 'cme' is built from its reward.cme_* settings (rollwise.rewards.build_reward_fn)")
+    raise RuntimeError("reward 'cme' is built from its [reward.cme] settings (rollwise.rewards.build_reward_fn)")
 
 
 cme.from_config = from_config  # type: ignore[attr-defined]
 cme.config_errors = config_errors  # type: ignore[attr-defined]
+cme.options = CMEOptions  # type: ignore[attr-defined]

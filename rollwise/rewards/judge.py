@@ -1,23 +1,23 @@
 """`reward.fn = "judge"`: an LLM judge behind any OpenAI-compatible chat endpoint (vLLM, `rollwise serve`, a
 hosted API), in the LLM-as-a-judge style of Zheng et al. 2023 (MT-Bench) and the `JudgeRubric` of verifiers.
 
-Each sample becomes one `POST {judge_url}/chat/completions` (temperature 0, `judge_max_tokens`) whose user
-message is `reward.judge_template` filled with `{question}` (the prompt's last user turn), `{reference}` (the
+Each sample becomes one `POST {url}/chat/completions` (temperature 0, `max_tokens`; `[reward.judge]`) whose user
+message is `reward.judge.template` filled with `{question}` (the prompt's last user turn), `{reference}` (the
 prompt's answer; `{answer}` is the same) and `{response}` (the policy's response), each as a block between its
 own tags that the text inside cannot close (`rollwise.rewards.judge_verdict`). The judge's answer must end with
-its one verdict line `Score: N` (alone on the last non-empty line, the only such line), N in 0..judge_score_max,
-and must have finished (`finish_reason` "stop"): the reward is N / judge_score_max, part `judge`, correct at
-`judge_threshold` or above. Anything else (no verdict, a verdict not last, several verdict lines, an answer cut
-off at `judge_max_tokens`) is a failed judgement, never a score.
+its one verdict line `Score: N` (alone on the last non-empty line, the only such line), N in 0..score_max,
+and must have finished (`finish_reason` "stop"): the reward is N / score_max, part `judge`, correct at
+`threshold` or above. Anything else (no verdict, a verdict not last, several verdict lines, an answer cut
+off at `max_tokens`) is a failed judgement, never a score.
 
-A step's samples are judged concurrently (`judge_concurrency` requests in flight) through the batch hook
+A step's samples are judged concurrently (`concurrency` requests in flight) through the batch hook
 `score_many` of `rollwise.rewards.scoring`. Each sample has `reward.timeout_s`, retries included: a network
-error, a timeout or HTTP 429 / 5xx is retried up to `judge_retries` times with a short backoff; another HTTP
+error, a timeout or HTTP 429 / 5xx is retried up to `retries` times with a short backoff; another HTTP
 error (408 and 409 included), or an answer that fails as above, is not. A judgement that fails marks its sample
 FAILED with the reason (`reward/errors`, `reward_error` in the samples log), never a silent 0; every sample of
 `reward.max_failed_steps` steps failing stops the run (`RewardFailureGuard`).
 
-The key: `reward.judge_api_key`, else `$ROLLWISE_JUDGE_API_KEY` (a secret: never written to config.toml), sent
+The key: `reward.judge.api_key`, else `$ROLLWISE_JUDGE_API_KEY` (a secret: never written to config.toml), sent
 as `Authorization: Bearer`; none when neither is set (a local vLLM). A key bound for a plain `http://` URL whose
 host is not loopback gets one warning when the judge is built: it travels unencrypted.
 """
@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
+from pydantic import Field
 
-from rollwise.config import RewardConfig, secret_value
+from rollwise.config import RewardConfig, Secret, secret_value
+from rollwise.config_methods import MethodOptions
 from rollwise.rewards.judge_verdict import (
     DEFAULT_TEMPLATE,
     FIELDS,
@@ -47,7 +49,7 @@ from rollwise.rewards.judge_verdict import (
 )
 from rollwise.types import RewardResult, Sample
 
-__all__ = ["DEFAULT_TEMPLATE", "JudgeError", "JudgeReward", "config_errors", "judge", "parse_score"]
+__all__ = ["DEFAULT_TEMPLATE", "JudgeError", "JudgeOptions", "JudgeReward", "config_errors", "judge", "parse_score"]
 
 KEY_ENV = "ROLLWISE_JUDGE_API_KEY"
 BACKOFF_S = 0.5  # before retry r (from 0): BACKOFF_S * 2**r, within the sample's time left
@@ -66,7 +68,7 @@ def warn_plain_http(url: str, api_key: str | None) -> None:
     if not api_key or parts.scheme != "http" or _is_loopback(parts.hostname or "") or url in _warned_urls:
         return
     _warned_urls.add(url)
-    print(f"rollwise: warning: reward.judge_url {url!r} is plain http:// to {parts.hostname!r}, not loopback: "
+    print(f"rollwise: warning: reward.judge.url {url!r} is plain http:// to {parts.hostname!r}, not loopback: "
           "the judge's key travels unencrypted with every request; use https://", file=sys.stderr, flush=True)
 
 
@@ -79,27 +81,51 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+class JudgeOptions(MethodOptions, section="reward", name="judge"):
+    """`[reward.judge]` (with `reward.fn = "judge"`): an LLM judge behind an OpenAI-compatible chat endpoint."""
+
+    url: str | None = Field(None, description="base URL of an OpenAI-compatible server, e.g. "
+                            "'http://127.0.0.1:8000/v1' (vLLM, `rollwise serve`, a hosted API)")
+    model: str | None = Field(None, description="model name sent in each request; None = the first model the "
+                              "server lists at /models")
+    api_key: Secret | None = Field(None, description="its Bearer token, a secret never written to config.toml; "
+                                   "None = $ROLLWISE_JUDGE_API_KEY, else no token", json_schema_extra={"env": KEY_ENV})
+    template: str | None = Field(None, description="the user message, with {question}, {reference} and {response}; "
+                                 "it must ask for 'Score: N'; None = the built-in one (0-10)")
+    max_tokens: int = Field(256, gt=0, description="tokens of one judgement at most (an answer cut off here is a "
+                            "failed judgement, never a score)")
+    concurrency: int = Field(8, ge=1, description="requests in flight at once (a step's samples are judged "
+                             "concurrently)")
+    retries: int = Field(2, ge=0, description="retries of a request that failed on the network, timed out or got "
+                         "HTTP 429 / 5xx (not of an unparsable answer); reward.timeout_s bounds each sample, retries "
+                         "included")
+    score_max: float = Field(10.0, gt=0.0, description="the score scale; 'Score: N' becomes N / score_max, and N "
+                             "outside 0..score_max is a failed judgement")
+    threshold: float = Field(0.5, ge=0.0, le=1.0, description="a normalised score at or above this is correct")
+
+
 def config_errors(cfg: RewardConfig) -> list[str]:
     """What stops the judge's settings from working (checked at --dry-run)."""
     errors = []
-    if not cfg.judge_url:
-        errors.append("reward.fn = 'judge' needs reward.judge_url: the base URL of an OpenAI-compatible server, "
+    o = JudgeOptions.of(cfg)
+    if not o.url:
+        errors.append("reward.fn = 'judge' needs reward.judge.url: the base URL of an OpenAI-compatible server, "
                       "e.g. 'http://127.0.0.1:8000/v1'")
-    elif not cfg.judge_url.startswith(("http://", "https://")):
-        errors.append(f"reward.judge_url = {cfg.judge_url!r} must start with http:// or https://")
-    template = cfg.judge_template if cfg.judge_template is not None else DEFAULT_TEMPLATE
+    elif not o.url.startswith(("http://", "https://")):
+        errors.append(f"reward.judge.url = {o.url!r} must start with http:// or https://")
+    template = o.template if o.template is not None else DEFAULT_TEMPLATE
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as exc:
-        return errors + [f"reward.judge_template is not a valid template ({exc}); write braces as {{{{ }}}}"]
+        return errors + [f"reward.judge.template is not a valid template ({exc}); write braces as {{{{ }}}}"]
     unknown = sorted(names - set(FIELDS))
     if unknown:
-        errors.append(f"reward.judge_template uses {{{unknown[0]}}}; valid fields: "
+        errors.append(f"reward.judge.template uses {{{unknown[0]}}}; valid fields: "
                       f"{', '.join('{' + f + '}' for f in FIELDS)} (write a literal brace as {{{{ or }}}})")
     if "response" not in names:
-        errors.append("reward.judge_template must contain {response}: the judge cannot grade what it does not see")
+        errors.append("reward.judge.template must contain {response}: the judge cannot grade what it does not see")
     if "Score:" not in template:
-        errors.append("reward.judge_template must ask for the verdict as the last line of the judge's answer, "
+        errors.append("reward.judge.template must ask for the verdict as the last line of the judge's answer, "
                       "'Score: N' (only that line is read)")
     return errors
 
@@ -128,13 +154,14 @@ class JudgeReward:
 
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> "JudgeReward":
-        """The judge of the `reward.judge_*` settings (see the module docstring)."""
-        api_key = secret_value(cfg.judge_api_key) or os.environ.get(KEY_ENV) or None
-        warn_plain_http(cfg.judge_url.rstrip("/"), api_key)
-        return cls(url=cfg.judge_url.rstrip("/"), model=cfg.judge_model, api_key=api_key,
-                   template=cfg.judge_template if cfg.judge_template is not None else DEFAULT_TEMPLATE,
-                   max_tokens=cfg.judge_max_tokens, concurrency=cfg.judge_concurrency, retries=cfg.judge_retries,
-                   score_max=cfg.judge_score_max, threshold=cfg.judge_threshold, timeout_s=cfg.timeout_s)
+        """The judge of the `[reward.judge]` settings (see the module docstring)."""
+        o = JudgeOptions.of(cfg)
+        api_key = secret_value(o.api_key) or os.environ.get(KEY_ENV) or None
+        warn_plain_http(o.url.rstrip("/"), api_key)
+        return cls(url=o.url.rstrip("/"), model=o.model, api_key=api_key,
+                   template=o.template if o.template is not None else DEFAULT_TEMPLATE,
+                   max_tokens=o.max_tokens, concurrency=o.concurrency, retries=o.retries,
+                   score_max=o.score_max, threshold=o.threshold, timeout_s=cfg.timeout_s)
 
     def __call__(self, sample: Sample) -> RewardResult:
         return self.judge(sample, self.timeout_s)
@@ -199,12 +226,12 @@ class JudgeReward:
             return self._client
 
     def _served_model(self, deadline: float, timeout_s: float) -> str:
-        """`judge_model`, else the first model of GET /models (asked once)."""
+        """`[reward.judge] model`, else the first model of GET /models (asked once)."""
         if self.model is None:
             answer = self._request("GET", "/models", None, deadline, timeout_s)
             models = answer.get("data") or []
             if not models or "id" not in models[0]:
-                raise JudgeError(f"{self.url}/models lists no model; set reward.judge_model")
+                raise JudgeError(f"{self.url}/models lists no model; set reward.judge.model")
             self.model = str(models[0]["id"])
         return self.model
 
@@ -244,7 +271,7 @@ class JudgeReward:
                                          f"{_excerpt(answer.text)}") from None
                 last = f"HTTP {answer.status_code}: {_excerpt(_error_message(answer))}"
                 if not retried(answer.status_code):
-                    hint = " (reward.judge_api_key or $ROLLWISE_JUDGE_API_KEY)" if answer.status_code == 401 else ""
+                    hint = " (reward.judge.api_key or $ROLLWISE_JUDGE_API_KEY)" if answer.status_code == 401 else ""
                     raise JudgeError(f"judge {self.url}{path}: {last}{hint}")
             if attempt < self.retries:
                 time.sleep(max(0.0, min(BACKOFF_S * 2**attempt, deadline - time.monotonic())))
@@ -271,9 +298,10 @@ def _excerpt(text: str) -> str:
 def judge(sample: Sample) -> RewardResult:
     """reward.fn = "judge": an LLM judge over HTTP, built from the `reward.judge_*` settings by
     `build_reward_fn` (`judge.from_config`); called bare it has no server to ask and fails saying so."""
-    raise JudgeError("the judge reward is built from reward.judge_url and the other reward.judge_* settings: "
+    raise JudgeError("the judge reward is built from reward.judge.url and the other [reward.judge] settings: "
                      "use rollwise.rewards.build_reward_fn(cfg.reward, ...)")
 
 
 judge.from_config = JudgeReward.from_config  # type: ignore[attr-defined]
 judge.config_errors = config_errors  # type: ignore[attr-defined]
+judge.options = JudgeOptions  # type: ignore[attr-defined]

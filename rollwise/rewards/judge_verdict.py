@@ -1,6 +1,6 @@
 """What the LLM judge is asked and how its verdict is read (`rollwise.rewards.judge` does the HTTP).
 
-The prompt: `reward.judge_template` with each field filled in as a block between its own tags,
+The prompt: `reward.judge.template` with each field filled in as a block between its own tags,
 `<question>...</question>`, `<reference>...</reference>` (`{reference}` and `{answer}`) and
 `<response>...</response>`. Inside a block every `<` that starts one of those tags (`</response>`,
 `< reference`, any case) is written `&lt;`, so the policy's text can neither close its block nor open a
@@ -8,10 +8,10 @@ The prompt: `reward.judge_template` with each field filled in as a block between
 response to grade, never instructions, scores or reference answers.
 
 The verdict: the judge's answer must end with exactly one verdict line, `Score: N` alone on its last non-empty
-line (spaces around it allowed, nothing else: no markdown, no `/10`), N a number in 0..judge_score_max. No
+line (spaces around it allowed, nothing else: no markdown, no `/10`), N a number in 0..score_max. No
 verdict line, a verdict line that is not the last one, or more than one verdict line (a quoted `Score: 10` on a
 line of its own included) is a failed judgement; so is an answer that did not finish (a `finish_reason` other
-than `stop` or a server's alias of it, `length` when `judge_max_tokens` cut it off; a server that gives none is
+than `stop` or a server's alias of it, `length` when `max_tokens` cut it off; a server that gives none is
 taken at its word). A `Score: N` inside a sentence is prose, never a verdict.
 """
 
@@ -59,7 +59,7 @@ def fill(template: str, question: str, reference: str, response: str) -> str:
 def check_finished(finish_reason: object, text: str, max_tokens: int) -> None:
     """JudgeError unless the judge's answer ended on its own (a cut-off answer is never read)."""
     if finish_reason == "length":
-        raise JudgeError(f"the judge's answer was cut off at reward.judge_max_tokens={max_tokens} "
+        raise JudgeError(f"the judge's answer was cut off at reward.judge.max_tokens={max_tokens} "
                          f"(finish_reason 'length'), so it has no verdict: {excerpt(text)}")
     if finish_reason not in FINISHED:
         raise JudgeError(f"the judge's answer did not finish (finish_reason {finish_reason!r}): {excerpt(text)}")

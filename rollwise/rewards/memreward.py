@@ -1,5 +1,5 @@
 """MemReward: rewards for unlabelled rollouts propagated from labelled ones through a similarity graph over an
-experience memory (`reward.label_fraction` < 1, `reward.label_seed`).
+experience memory (`[reward.memreward] label_fraction` < 1, `seed`).
 
 A prompt is labelled with probability `label_fraction` (fixed by the seed and its uid): its rollouts get the
 wrapped reward (the verifier) and join the memory. The rollouts of an unlabelled prompt get the harmonic
@@ -35,7 +35,10 @@ from typing import Any
 
 import torch
 
+from pydantic import Field
+
 from rollwise.config import RewardConfig
+from rollwise.config_methods import MethodOptions
 from rollwise.rewards.calling import as_result, call_reward, decide_correct
 from rollwise.types import RewardResult, Sample
 
@@ -98,7 +101,7 @@ class MemReward:
 
     def __init__(self, inner: Any, fraction: float, seed: int = 0) -> None:
         if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"reward.label_fraction = {fraction} must be in (0, 1]")
+            raise ValueError(f"reward.memreward.label_fraction = {fraction} must be in (0, 1]")
         self.inner, self.fraction, self.seed = inner, fraction, seed
         self.memory: deque[tuple[Bigrams, float]] = deque(maxlen=MEMORY_SIZE)
         self.__name__ = f"memreward({getattr(inner, '__name__', type(inner).__name__)})"
@@ -155,6 +158,16 @@ class MemReward:
             return exc
 
 
+class MemRewardOptions(MethodOptions, section="reward", name="memreward", always=True):
+    """`[reward.memreward]`: MemReward, label propagation to rollouts of unlabelled prompts, whatever reward.fn is."""
+
+    label_fraction: float = Field(1.0, gt=0.0, le=1.0, description="share of training prompts whose rollouts get "
+                                  "the verifier's reward; the rest get rewards propagated from labelled rollouts "
+                                  "over a similarity graph; 1 = off")
+    seed: int = Field(0, description="seed of which prompts are labelled (fixed by seed and uid)")
+
+
 def with_label_propagation(fn: Any, cfg: RewardConfig) -> Any:
-    """The Control stage's reward: `fn` with MemReward when `reward.label_fraction` < 1, else `fn` itself."""
-    return fn if cfg.label_fraction >= 1.0 else MemReward(fn, cfg.label_fraction, cfg.label_seed)
+    """The Control stage's reward: `fn` with MemReward when `[reward.memreward] label_fraction` < 1, else `fn`."""
+    o = MemRewardOptions.of(cfg)
+    return fn if o.label_fraction >= 1.0 else MemReward(fn, o.label_fraction, o.seed)

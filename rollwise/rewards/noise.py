@@ -1,14 +1,14 @@
 """Verifier noise: false-positive / false-negative flips of any reward at set rates, for experiments on how
-robust training is to an imperfect verifier (`reward.noise_fp`, `reward.noise_fn`, `reward.noise_seed`).
+robust training is to an imperfect verifier (`reward.noise.fp`, `reward.noise.fn`, `reward.noise.seed`).
 
-    clean verdict incorrect: with probability noise_fp  -> reward 1.0, correct   (a false positive)
-    clean verdict correct:   with probability noise_fn  -> reward 0.0, incorrect (a false negative)
+    clean verdict incorrect: with probability fp  -> reward 1.0, correct   (a false positive)
+    clean verdict correct:   with probability fn  -> reward 0.0, incorrect (a false negative)
 
 Issue 23's "verifier noise" item (the seeds study rewards from imperfect verifiers; no single paper's formula):
 what is filled in here, and why:
 - The noise is a binary verifier's: a flipped sample gets the reward of a plain 1 / 0 verifier, whatever the
   wrapped reward's scale; the clean verdict is `rollwise.rewards.calling.decide_correct` of the wrapped result.
-- A flip is a pure function of (`noise_seed`, the prompt's uid, the response text): reproducible, independent of
+- A flip is a pure function of (`seed`, the prompt's uid, the response text): reproducible, independent of
   batch order and worker count, and the same after a resume. Two identical responses to one prompt flip
   together (a verifier that errs on an input errs on it every time).
 - Only training rewards are noisy: `rollwise.build` wraps the reward the Control stage scores with; held-out
@@ -25,7 +25,10 @@ import hashlib
 from dataclasses import replace
 from typing import Any
 
+from pydantic import Field
+
 from rollwise.config import RewardConfig
+from rollwise.config_methods import MethodOptions
 from rollwise.rewards.calling import as_result, call_reward, decide_correct
 from rollwise.types import RewardResult, Sample
 
@@ -57,7 +60,7 @@ class NoisyReward:
 
     def __init__(self, inner: Any, fp: float, fn: float, seed: int = 0) -> None:
         if not (0.0 <= fp <= 1.0 and 0.0 <= fn <= 1.0):
-            raise ValueError(f"reward.noise_fp = {fp} and reward.noise_fn = {fn} must lie in [0, 1]")
+            raise ValueError(f"reward.noise.fp = {fp} and reward.noise.fn = {fn} must lie in [0, 1]")
         self.inner, self.fp, self.fn, self.seed = inner, fp, fn, seed
         self.__name__ = f"noisy({getattr(inner, '__name__', type(inner).__name__)})"
 
@@ -90,9 +93,22 @@ class NoisyReward:
             return exc
 
 
+class NoiseOptions(MethodOptions, section="reward", name="noise", always=True):
+    """`[reward.noise]`: verifier noise, flips of the training reward (never of held-out evaluation), whatever
+    reward.fn is."""
+
+    fp: float = Field(0.0, ge=0.0, le=1.0, description="probability that an incorrect response is scored as correct "
+                      "(reward 1, correct) in training")
+    fn: float = Field(0.0, ge=0.0, le=1.0, description="probability that a correct response is scored as incorrect "
+                      "(reward 0, not correct) in training")
+    seed: int = Field(0, description="seed of the flips (a flip depends on the seed, the prompt and the response "
+                      "text only)")
+
+
 def training_reward(fn: Any, cfg: RewardConfig) -> Any:
-    """The reward the Control stage trains on: `fn` with verifier noise when `reward.noise_fp` or `noise_fn` is
-    above 0, else `fn` itself."""
-    if cfg.noise_fp == 0.0 and cfg.noise_fn == 0.0:
+    """The reward the Control stage trains on: `fn` with verifier noise when `[reward.noise]` fp or fn is above 0,
+    else `fn` itself."""
+    o = NoiseOptions.of(cfg)
+    if o.fp == 0.0 and o.fn == 0.0:
         return fn
-    return NoisyReward(fn, cfg.noise_fp, cfg.noise_fn, cfg.noise_seed)
+    return NoisyReward(fn, o.fp, o.fn, o.seed)

@@ -253,7 +253,7 @@ def build_reward_fn(cfg: RewardConfig, default_reward: str) -> RewardFn:
 
 
 class RewardSettingsError(UserError, ValueError):
-    """A reward's `[reward]` settings cannot work (e.g. the judge without reward.judge_url)."""
+    """A reward's `[reward]` settings cannot work (e.g. the judge without reward.judge.url)."""
 
 
 def reward_setting_errors(cfg: RewardConfig, name: str | None = None) -> list[str]:

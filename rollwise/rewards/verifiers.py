@@ -113,7 +113,7 @@ REWARDS.register_lazy("lookup", "rollwise.envs.lookup:lookup_reward")  # beside 
 REWARDS.register_lazy("reasoning_gym", "rollwise.rewards.reasoning_gym:reasoning_gym_reward")  # needs the extra
 REWARDS.register_lazy("mixture", "rollwise.rewards.mixture:mixture_reward")  # [[data.mix]]: the source's own
 REWARDS.register_lazy("judge", "rollwise.rewards.judge:judge")  # an LLM judge over HTTP (reward.judge_*)
-REWARDS.register_lazy("cme", "rollwise.rewards.cme:cme")  # Cross-Model Entropy under reward.cme_model
+REWARDS.register_lazy("cme", "rollwise.rewards.cme:cme")  # Cross-Model Entropy under reward.cme.model
 
 
 def _math_verify_timeout() -> int | None:

@@ -6,14 +6,14 @@ hinted rollouts modulated.
 Two halves, set together (`rollout.strategy = "adhint"` and `algo.method = "adhint"`; --dry-run says so):
 
 - `ADHintStrategy` (the rollout): a prompt's difficulty prior is the policy's running accuracy on it (an
-  exponential average over its past groups, `rollout.adhint_momentum`; a prompt not seen yet takes the running
-  accuracy over all prompts, 0.5 before any). Its hint ratio is `adhint_max_ratio x (1 - accuracy)`: that share
-  of the hint's tokens is written at the start of the response of `rollout.adhint_samples` samples of the group
+  exponential average over its past groups, `[rollout.adhint] momentum`; a prompt not seen yet takes the running
+  accuracy over all prompts, 0.5 before any). Its hint ratio is `max_ratio x (1 - accuracy)`: that share
+  of the hint's tokens is written at the start of the response of `[rollout.adhint] samples` samples of the group
   (half by default; loss mask 0, log-prob placeholder 0.0), and the policy continues from there with its full
   `rollout.max_new_tokens`; the group's other samples roll out without a hint. Accuracies are learned from the
   samples of the previous round once they are scored (the Score stage writes `correct` into them), from the
   unhinted samples only: the policy's own difficulty, not the hint's.
-- `ADHint` (the method): the advantage of every hinted response is scaled by `rollout.adhint_weight` (its own
+- `ADHint` (the method): the advantage of every hinted response is scaled by `[rollout.adhint] weight` (its own
   tokens; its hint tokens carry no gradient at all).
 
 What the abstract leaves open, filled in here: the hint is `prompt.info["hint"]` (a worked solution) when the
@@ -32,6 +32,9 @@ from __future__ import annotations
 
 from itertools import count
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete
 from rollwise.methods.base import Prepared, StepInput
 from rollwise.methods.rl import RL
@@ -39,10 +42,36 @@ from rollwise.rollout_strategies import StrategyContext, continue_samples, force
 from rollwise.types import Group, Prompt, SamplingParams, Status
 
 
+class ADHintOptions(MethodOptions, section="rollout", name="adhint"):
+    """`[rollout.adhint]`: ADHint hint prefixes (the strategy) and their gradient weight (`algo.method = "adhint"`)."""
+
+    max_ratio: float = Field(0.5, ge=0.0, le=1.0, description="share of the hint's tokens given to a prompt the "
+                             "policy never solves (the ratio falls linearly to 0 at accuracy 1)")
+    samples: int | None = Field(None, ge=1, description="samples of each group that get the hint prefix (the others "
+                                "roll out without it), below rollout.samples_per_prompt; None = half the group")
+    weight: float = Field(0.5, ge=0.0, le=1.0, description="gradient weight of a hinted response's own tokens (its "
+                          "advantage is scaled by it); 1 = no modulation")
+    momentum: float = Field(0.5, ge=0.0, lt=1.0, description="running accuracy per prompt (and overall) = momentum x "
+                            "old + (1 - momentum) x the new group's accuracy")
+
+    def errors(self, cfg) -> list[str]:
+        errors = []
+        if (self.samples or 0) >= cfg.rollout.samples_per_prompt:
+            errors.append(f"rollout.adhint.samples = {self.samples} leaves no unhinted sample of "
+                          f"{cfg.rollout.samples_per_prompt} per group; set it below rollout.samples_per_prompt")
+        if cfg.algo.method != "adhint":
+            errors.append("rollout.strategy = 'adhint' (hint prefixes) and algo.method = 'adhint' (their gradient "
+                          "modulation) go together: set both, or neither")
+        return errors
+
+
 def adhint_strategy(cfg, context: StrategyContext) -> "ADHintStrategy":
-    r = cfg.rollout
-    hinted = r.adhint_samples if r.adhint_samples is not None else max(1, r.samples_per_prompt // 2)
-    return ADHintStrategy(context.tokenizer, r.adhint_max_ratio, hinted, r.adhint_momentum)
+    o, r = ADHintOptions.of(cfg), cfg.rollout
+    hinted = o.samples if o.samples is not None else max(1, r.samples_per_prompt // 2)
+    return ADHintStrategy(context.tokenizer, o.max_ratio, hinted, o.momentum)
+
+
+adhint_strategy.options = ADHintOptions
 
 
 def hint_text(prompt: Prompt) -> str | None:
@@ -138,11 +167,18 @@ class ADHintStrategy:
 
 
 class ADHint(RL):
-    """The method half of ADHint: the advantage of a hinted response is scaled by `rollout.adhint_weight`
-    (then the plain RL step, with its SFT mixing if set)."""
+    """The method half of ADHint: the advantage of a hinted response is scaled by `[rollout.adhint] weight`
+    (then the plain RL step, with its SFT mixing if set). Its options are the strategy's, `[rollout.adhint]`."""
+
+    @classmethod
+    def checks(cls, cfg) -> list[str]:
+        if cfg.rollout.strategy != "adhint":
+            return ["rollout.strategy = 'adhint' (hint prefixes) and algo.method = 'adhint' (their gradient "
+                    "modulation) go together: set both, or neither"]
+        return super().checks(cfg)
 
     def prepare(self, step: StepInput) -> Prepared:
-        weight = self.setup.cfg.rollout.adhint_weight
+        weight = ADHintOptions.of(self.setup.cfg).weight
         hinted = [s for s in step.samples if s.info.get("adhint_tokens")]
         plain = [s for s in step.samples if not s.info.get("adhint_tokens")]
         for s in hinted:

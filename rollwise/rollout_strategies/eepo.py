@@ -5,8 +5,8 @@ first half already covered ("sample-then-forget").
 
 `rollout.strategy = "eepo"`, each round:
 1. the first `ceil(n / 2)` samples of every group come from the policy's engine;
-2. a scratch copy of the current policy (reset from it every round) takes `rollout.eepo_unlearn_steps` AdamW
-   steps at `rollout.eepo_unlearn_lr` that lower the mean per-token log-likelihood of all those first-half
+2. a scratch copy of the current policy (reset from it every round) takes `rollout.eepo.unlearn_steps` AdamW
+   steps at `rollout.eepo.unlearn_lr` that lower the mean per-token log-likelihood of all those first-half
    responses (gradient ascent on their NLL), all groups in one batch;
 3. the copy's weights go into a second torch engine (kept across rounds, tagged with the policy's version) that
    samples the other samples of every group.
@@ -32,10 +32,27 @@ from itertools import count
 
 import torch
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete
 from rollwise.rollout_strategies import (StrategyContext, continue_samples, engine_rng_state, require_continuation,
                                         set_engine_rng_state)
 from rollwise.types import Group, Sample, SamplingParams, Status
+
+
+class EEPOOptions(MethodOptions, section="rollout", name="eepo"):
+    """`[rollout.eepo]`: EEPO, the second half of each group from an unlearned copy."""
+
+    unlearn_steps: int = Field(1, ge=0, description="AdamW steps that lower the likelihood of the first half's "
+                               "responses on the temporary copy (0 = no unlearning)")
+    unlearn_lr: float = Field(1e-5, gt=0.0, description="learning rate of those steps")
+
+    def errors(self, cfg) -> list[str]:
+        if cfg.lora.rank > 0 or cfg.train.backend != "local":
+            return ["rollout.strategy = 'eepo' unlearns on a copy of the whole local policy: set lora.rank = 0 and "
+                    "train.backend = 'local'"]
+        return []
 
 
 def eepo_strategy(cfg, context: StrategyContext) -> "EEPOStrategy":
@@ -47,7 +64,11 @@ def eepo_strategy(cfg, context: StrategyContext) -> "EEPOStrategy":
                            dtype=engine_dtype(cfg.model.dtype, next(context.model.parameters()).device),
                            max_batch_size=r.max_batch_size, seed=context.seed + 11)
     pad_id = context.tokenizer.pad_token_id if context.tokenizer.pad_token_id is not None else explorer.pad_id
-    return EEPOStrategy(context.model, explorer, r.eepo_unlearn_steps, r.eepo_unlearn_lr, pad_id)
+    o = EEPOOptions.of(cfg)
+    return EEPOStrategy(context.model, explorer, o.unlearn_steps, o.unlearn_lr, pad_id)
+
+
+eepo_strategy.options = EEPOOptions
 
 
 def response_logp(model, samples: list[Sample], pad_id: int) -> torch.Tensor:

@@ -4,11 +4,11 @@ rollouts and continue them, so every trained response of that kind contains an e
 
 `rollout.strategy = "rethink"`:
 1. generate the round as `plain` does;
-2. pick `rollout.rethink_fraction` of the responses that ended on their own (status COMPLETED: EOS or a stop
+2. pick `rollout.rethink.fraction` of the responses that ended on their own (status COMPLETED: EOS or a stop
    string; a truncated response has no room left), independently per response with the run's seed;
 3. drop the final EOS token (the trigger replaces it: a model does not read past its EOS), append the tokens of
-   `rollout.rethink_trigger` with loss mask 0 and behaviour log-prob placeholder 0.0, and continue the response
-   for up to `rollout.rethink_max_new_tokens` more tokens in one engine call.
+   `rollout.rethink.trigger` with loss mask 0 and behaviour log-prob placeholder 0.0, and continue the response
+   for up to `rollout.rethink.max_new_tokens` more tokens in one engine call.
 The continuation is sampled by the engine conditioned on prompt + first answer + trigger, so its behaviour
 log-probs are those of the exact context the trainer scores (`mismatch/*` checks it in every step); the
 trigger and the dropped EOS never enter the loss. The reward scores the whole response (the final answer after
@@ -28,18 +28,40 @@ from __future__ import annotations
 import random
 from itertools import count
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.generate.groups import GenerateStats, StopRule
 from rollwise.rollout import run_groups
 from rollwise.rollout_strategies import StrategyContext, continue_samples, drop_last_token, force_tokens
 from rollwise.types import Group, SamplingParams, Status
 
 
+class RethinkOptions(MethodOptions, section="rollout", name="rethink"):
+    """`[rollout.rethink]`: Forced Rethinking."""
+
+    trigger: str = Field("\nWait, let me check.", min_length=1, description="text appended (loss mask 0) to a "
+                         "completed response before it is continued")
+    fraction: float = Field(0.5, ge=0.0, le=1.0, description="probability that a completed response gets the "
+                            "trigger and is continued")
+    max_new_tokens: int = Field(0, ge=0, description="tokens the continuation may add after the trigger; 0 = "
+                                "rollout.max_new_tokens")
+
+    def errors(self, cfg) -> list[str]:
+        if cfg.rollout.stop:
+            return ["rollout.strategy = 'rethink' continues responses that ended on a stop string, which the engine "
+                    "would see again at once; set rollout.stop = [] (EOS ends responses)"]
+        return []
+
+
 def rethink_strategy(cfg, context: StrategyContext) -> "RethinkStrategy":
-    r = cfg.rollout
-    trigger_ids = context.tokenizer.encode(r.rethink_trigger, add_special_tokens=False)
+    o = RethinkOptions.of(cfg)
+    trigger_ids = context.tokenizer.encode(o.trigger, add_special_tokens=False)
     eos = {context.tokenizer.eos_token_id} - {None}
-    return RethinkStrategy(trigger_ids, r.rethink_fraction, r.rethink_max_new_tokens or r.max_new_tokens,
-                           eos, context.seed)
+    return RethinkStrategy(trigger_ids, o.fraction, o.max_new_tokens or cfg.rollout.max_new_tokens, eos, context.seed)
+
+
+rethink_strategy.options = RethinkOptions
 
 
 class RethinkStrategy:
@@ -53,7 +75,7 @@ class RethinkStrategy:
 
     def __init__(self, trigger_ids: list[int], fraction: float, new_tokens: int, eos_ids: set[int], seed: int):
         if not trigger_ids:
-            raise ValueError("rollout.rethink_trigger encodes to no tokens; give a non-empty trigger text")
+            raise ValueError("rollout.rethink.trigger encodes to no tokens; give a non-empty trigger text")
         self.trigger_ids, self.fraction, self.new_tokens = list(trigger_ids), fraction, new_tokens
         self.eos_ids = set(eos_ids)
         self.rng = random.Random(seed)

@@ -2,16 +2,16 @@
 frozen, weaker junior alternate stochastically to co-generate each rollout; the whole response is rewarded (a
 team reward) and the GRPO loss is applied to the senior's tokens only.
 
-`rollout.strategy = "tandem"`: every response is written in segments of `rollout.tandem_segment_tokens` tokens.
+`rollout.strategy = "tandem"`: every response is written in segments of `rollout.tandem.segment_tokens` tokens.
 The first segment is the senior's (the policy's engine); each later one is the junior's with probability
-`rollout.tandem_junior_prob`, else the senior's, drawn per segment with the run's seed. Each segment is one engine
+`rollout.tandem.junior_prob`, else the senior's, drawn per segment with the run's seed. Each segment is one engine
 call over all the round's unfinished responses (senior ones batched on the policy engine, junior ones on the
 junior's own torch engine), continuing from the tokens both wrote so far, until a response ends (EOS or a stop
 string, from either author) or reaches `rollout.max_new_tokens`. The junior's tokens enter the response with loss
 mask 0 and log-prob placeholder 0.0 (`force_tokens`); the senior's keep the engine's behaviour log-probs,
 sampled in the exact context (junior tokens included) the trainer scores. The reward sees the whole text.
 
-The junior is `rollout.tandem_junior` (a local model directory, a hub id or "smollm2-135m-instruct": it must
+The junior is `rollout.tandem.junior` (a local model directory, a hub id or "smollm2-135m-instruct": it must
 share the policy's tokenizer), or None: a frozen copy of the initial policy (the weakest form of the idea, useful
 as a drift anchor on one model).
 
@@ -27,31 +27,54 @@ import random
 from itertools import count
 
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete, merge_result
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.rollout_strategies import (StrategyContext, engine_rng_state, force_tokens, generate_on,
                                         require_continuation, set_engine_rng_state)
 from rollwise.types import GenerationRequest, Group, Sample, SamplingParams, Status
+
+
+class TandemOptions(MethodOptions, section="rollout", name="tandem"):
+    """`[rollout.tandem]`: Tandem RL, a frozen junior writes some segments."""
+
+    junior: str | None = Field(None, description="the frozen junior (a local model directory, a hub id or "
+                               "'smollm2-135m-instruct', sharing the policy's tokenizer); None = a frozen copy of the "
+                               "initial policy")
+    segment_tokens: int = Field(8, ge=1, description="tokens of one segment (one author)")
+    junior_prob: float = Field(0.5, ge=0.0, le=1.0, description="probability that a segment after the first (always "
+                               "the senior's) is written by the junior")
+
+    def errors(self, cfg) -> list[str]:
+        if self.junior is None and cfg.lora.rank > 0:
+            return ["rollout.tandem.junior = None copies the initial policy, which LoRA wraps in adapters; name the "
+                    "junior's model directory in rollout.tandem.junior (e.g. model.name)"]
+        return []
 
 
 def tandem_strategy(cfg, context: StrategyContext) -> "TandemStrategy":
     from rollwise.generate.factory import engine_dtype
     from rollwise.generate.torch_engine import TorchEngine
 
-    r = cfg.rollout
+    r, o = cfg.rollout, TandemOptions.of(cfg)
     initial = None
-    if r.tandem_junior is None:
+    if o.junior is None:
         junior = context.model  # the engine takes its own frozen copy of the initial weights
         initial = cfg.model.name  # on resume `context.model` holds the trained weights: the junior reads these again
     else:
         from rollwise.models import load_model
 
-        junior, tokenizer = load_model(r.tandem_junior)
+        junior, tokenizer = load_model(o.junior)
         if tokenizer.get_vocab() != context.tokenizer.get_vocab():
-            raise ValueError(f"rollout.tandem_junior = {r.tandem_junior!r} has another tokenizer than the policy; "
+            raise ValueError(f"rollout.tandem.junior = {o.junior!r} has another tokenizer than the policy; "
                              "the junior must share it (the two write into one token sequence)")
     engine = TorchEngine(junior, context.tokenizer,
                          dtype=engine_dtype(cfg.model.dtype, next(context.model.parameters()).device),
                          max_batch_size=r.max_batch_size, seed=context.seed + 7)
-    return TandemStrategy(engine, r.tandem_segment_tokens, r.tandem_junior_prob, context.seed, initial=initial)
+    return TandemStrategy(engine, o.segment_tokens, o.junior_prob, context.seed, initial=initial)
+
+
+tandem_strategy.options = TandemOptions
 
 
 def _initial_weights(name: str) -> dict:
@@ -70,7 +93,7 @@ class TandemStrategy:
         segment_tokens: tokens per segment.
         junior_prob: probability that a segment after the first is the junior's.
         seed: seed of the authors' draw.
-        initial: with no `rollout.tandem_junior`, the starting model (`model.name`) the junior copies: a resumed
+        initial: with no `rollout.tandem.junior`, the starting model (`model.name`) the junior copies: a resumed
             run's policy is the trained one, so `load_state_dict` gives the junior these weights again.
     """
 

@@ -6,17 +6,17 @@ reward, and the policy trained on the search's trajectories and step values.
 `rollout.strategy = "tree"`, per prompt (all of a round's prompts searched in lockstep, one engine call per
 phase):
 1. a tree whose nodes are steps: a step is the text the policy writes up to and including a token that contains
-   a newline, or `rollout.tree_step_tokens` tokens, whichever comes first (tokens sampled past a newline inside
+   a newline, or `rollout.tree.step_tokens` tokens, whichever comes first (tokens sampled past a newline inside
    the step budget are dropped; what is kept was sampled in its exact context);
 2. selection from the root by UCT: an unvisited child first (in order), else the child maximising
-   Q(c) + `rollout.tree_c_puct` x sqrt(ln N(parent) / N(c)); it descends until a node that is not expanded yet
+   Q(c) + `rollout.tree.c_puct` x sqrt(ln N(parent) / N(c)); it descends until a node that is not expanded yet
    or is terminal (ended by EOS / a stop string, or at `rollout.max_new_tokens`);
-3. expansion: `rollout.tree_branches` child steps sampled from the policy engine, continuing the node's path;
+3. expansion: `rollout.tree.branches` child steps sampled from the policy engine, continuing the node's path;
 4. simulation: the first new child is rolled out by the policy engine to the end of the response, and the whole
    response (path + roll-out) is scored by the run's reward (`reward.fn`; a terminal node is scored as it is);
 5. backup: N += 1 and W += reward on the node and every ancestor; Q = W / N, the mean outcome reward of the
    completions below a node: a Monte-Carlo process reward, as rStar-Math's Q-values from rollouts.
-`rollout.tree_simulations` simulations per prompt. Each simulation yields one complete root-to-leaf response; the
+`rollout.tree.simulations` simulations per prompt. Each simulation yields one complete root-to-leaf response; the
 group's `rollout.samples_per_prompt` samples are the responses of the last simulations (the most searched).
 Every policy token of a sample was sampled by the engine with the sample's own earlier tokens as context, so
 its behaviour log-probs are the engine's (loss mask 1 everywhere; `mismatch/*` checks it).
@@ -44,14 +44,36 @@ from functools import lru_cache
 from itertools import count
 from typing import Callable
 
+from pydantic import Field
+
+from rollwise.config_methods import MethodOptions
 from rollwise.generate.groups import FINAL, GenerateStats, StopRule, is_complete
 from rollwise.rewards import score_batch
 from rollwise.rollout_strategies import StrategyContext, generate_on, require_continuation
 from rollwise.types import GenerationRequest, Group, Sample, SamplingParams, Status
 
 
+class TreeOptions(MethodOptions, section="rollout", name="tree"):
+    """`[rollout.tree]`: rStar-Math / MedS3 tree-search rollouts."""
+
+    simulations: int = Field(16, ge=1, description="MCTS simulations per prompt (each yields one complete response; "
+                             "the group keeps the last rollout.samples_per_prompt of them)")
+    branches: int = Field(2, ge=1, description="child steps the policy samples when a node is expanded")
+    step_tokens: int = Field(16, ge=1, description="most tokens of one step (a step also ends after a token "
+                             "containing a newline)")
+    c_puct: float = Field(1.0, ge=0.0, description="UCT exploration constant c in Q(child) + c sqrt(ln N(parent) / "
+                          "N(child))")
+
+    def errors(self, cfg) -> list[str]:
+        spp = cfg.rollout.samples_per_prompt
+        if self.simulations < spp:
+            return [f"rollout.tree.simulations = {self.simulations} gives fewer responses than "
+                    f"rollout.samples_per_prompt = {spp}; set rollout.tree.simulations >= {spp}"]
+        return []
+
+
 def tree_strategy(cfg, context: StrategyContext) -> "TreeStrategy":
-    r = cfg.rollout
+    r, o = cfg.rollout, TreeOptions.of(cfg)
     if context.reward_fn is None:
         raise ValueError("rollout.strategy = 'tree' scores its leaves with the run's reward; this run built none")
     tokenizer = context.tokenizer
@@ -60,8 +82,11 @@ def tree_strategy(cfg, context: StrategyContext) -> "TreeStrategy":
     def is_newline(token: int) -> bool:
         return "\n" in tokenizer.decode([token])
 
-    return TreeStrategy(context.reward_fn, is_newline, r.tree_step_tokens, r.tree_branches, r.tree_simulations,
-                        r.tree_c_puct, r.samples_per_prompt, cfg.reward.timeout_s)
+    return TreeStrategy(context.reward_fn, is_newline, o.step_tokens, o.branches, o.simulations, o.c_puct,
+                        r.samples_per_prompt, cfg.reward.timeout_s)
+
+
+tree_strategy.options = TreeOptions
 
 
 @dataclass
@@ -145,7 +170,7 @@ class TreeStrategy:
     def __init__(self, reward_fn, is_newline: Callable[[int], bool], step_tokens: int, branches: int,
                  simulations: int, c_puct: float, samples_per_prompt: int, timeout_s: float | None = None):
         if simulations < samples_per_prompt:
-            raise ValueError(f"rollout.tree_simulations = {simulations} gives fewer responses than "
+            raise ValueError(f"rollout.tree.simulations = {simulations} gives fewer responses than "
                              f"rollout.samples_per_prompt = {samples_per_prompt}; raise it")
         self.reward_fn, self.is_newline, self.timeout_s = reward_fn, is_newline, timeout_s
         self.step_tokens, self.branches, self.simulations = step_tokens, branches, simulations
