@@ -206,7 +206,7 @@ def _answer(text: str, reference: str) -> str:
 def table(results: dict) -> str:
     lines = ["| task | seed | greedy before | highest (step) | final | balanced before -> at checkpoints/best (step) "
              "-> final | greedy acc at checkpoints/best | held-out replies on one answer, before -> final "
-             "(references) | answer_mode_frac first -> last | RL time |", "|---|" * 10]
+             "(references) | answer_mode_frac first -> last | RL time |", "|" + "---|" * 10]
     for name, per_seed in results.items():
         for seed, r in per_seed.items():
             mode = (f"{r['answer_mode_frac_first']:.2f} -> {r['answer_mode_frac_last']:.2f}"
