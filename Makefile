@@ -35,9 +35,10 @@ demo: setup
 test: setup $(VENV)/.test-extras
 	$(PY) -m pytest -q
 
-# optional extras the test suite exercises beyond `setup`: reasoning-gym (its tasks and scoring)
+# optional extras the test suite exercises beyond `setup`: reasoning-gym (its tasks and scoring), the tinker SDK
+# (`rollwise serve --api tinker` driven by it)
 $(VENV)/.test-extras: $(VENV)/.installed
-	$(PIP) install -q -e '.[test,reasoning-gym]'
+	$(PIP) install -q -e '.[test,reasoning-gym,tinker]'
 	touch $@
 
 bench: setup

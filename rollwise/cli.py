@@ -186,15 +186,23 @@ def serve(
                                         "(default model.name); a run's own config.toml when no CONFIG is given"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     engine: Optional[str] = typer.Option(None, "--engine", help=ENGINE_HELP),
+    api: str = typer.Option("rollwise", "--api", help="rollwise: OpenAI completions + episodes + weights "
+                            "(docs/serve.md); tinker: the Tinker training API for the tinker SDK (docs/tinker.md)"),
     debug: bool = typer.Option(False, "--debug", help="print the full traceback of an error"),
 ) -> None:
-    """Serve the policy over HTTP (OpenAI completions + episodes + weights) until Ctrl-C (docs/serve.md)."""
+    """Serve the policy over HTTP (OpenAI completions + episodes + weights; or, with --api tinker, the Tinker
+    training API) until Ctrl-C (docs/serve.md, docs/tinker.md)."""
     config, overrides = _split_args(list(args or []))
     _quiet_libraries()
-    from rollwise.serve.cli import serve_command
+    from rollwise.serve.cli import serve_command, tinker_serve_command
 
     with guard(None, debug):
-        serve_command(config, overrides, host, port, api_key, model, device=device, engine=engine)
+        if api == "tinker":
+            tinker_serve_command(config, overrides, host, port, api_key, model, device=device, engine=engine)
+        elif api == "rollwise":
+            serve_command(config, overrides, host, port, api_key, model, device=device, engine=engine)
+        else:
+            raise typer.BadParameter(f"--api must be rollwise or tinker, got {api!r}")
 
 
 @app.command()

@@ -211,6 +211,8 @@ class ServeConfig(Section):
     max_weight_uploads: int = Field(1, ge=1, description="weight uploads in progress at once; one more gets 429")
     weights_root: str | None = Field(None, description="POST /v1/weights loads {\"path\"} only from files under "
                                      "this folder; None = path loading off (weights come as a body)")
+    tinker_state_dir: str | None = Field(None, description="`--api tinker`: where save_state writes checkpoints "
+                                         "(a restarted server loads them); None = $ROLLWISE_CACHE/tinker")
 
 
 class EnvConfig(Section):

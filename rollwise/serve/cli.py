@@ -141,3 +141,58 @@ def watch(server: RunningServer, worker: Worker, poll_s: float = 0.5) -> None:
 
 def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def tinker_serve_command(config: str | None, overrides: list[str], host: str | None, port: int | None,
+                         api_key: str | None, model: str | None, device: str | None = None,
+                         engine: str | None = None) -> None:
+    """`rollwise serve --api tinker`: the Tinker training API (rollwise.serve.tinker_api) until Ctrl-C. Training
+    clients are created on whatever base model the SDK names; `--model` (or `model.name`) is the one
+    `get_server_capabilities` lists. Training and sampling run on `train.device` (`--device`)."""
+    from rollwise.config import ConfigError
+    from rollwise.hardware import configure_threads, resolve_device
+    from rollwise.models.resolve import cache_dir
+    from rollwise.serve.tinker_api import KEY_PREFIX, TinkerService, create_tinker_app
+
+    if engine not in (None, "torch"):
+        raise ConfigError(f"--api tinker samples with the torch engine (the trained weights live in this process); "
+                          f"--engine {engine} is not supported with it")
+    try:
+        import tinker.proto.tinker_public_pb2  # noqa: F401  (the wire format is the SDK's own protocol buffers)
+    except ImportError:
+        raise ConfigError("rollwise serve --api tinker needs the tinker SDK for its wire format: pip install "
+                          "'rollwise[tinker]'") from None
+    cfg, _ = serve_config(config, overrides, model, device, None)
+    configured = configured_key(api_key, cfg)
+    if configured is not None and not configured.startswith(KEY_PREFIX):
+        raise ConfigError(f"the tinker SDK sends only API keys that start with {KEY_PREFIX!r}: set "
+                          f"{SERVE_KEY_ENV}={KEY_PREFIX}... (or --api-key, serve.api_key)")
+    host = host or cfg.serve.host
+    port = cfg.serve.port if port is None else port
+    configure_threads(cfg.model.threads)
+    torch_device = resolve_device(cfg.train.device)
+    state_dir = Path(cfg.serve.tinker_state_dir or cache_dir() / "tinker").expanduser()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    key = configured or KEY_PREFIX + "rw-" + new_api_key()[3:]
+    service = TinkerService(key, cfg.serve, state_dir, torch_device, model or cfg.model.name)
+    server = None
+    try:
+        server = RunningServer(create_tinker_app(service), host, port)
+        if host not in LOOPBACK:
+            print(f"rollwise serve: WARNING: bound to {host}: anyone who can reach it and has the token can train "
+                  "and sample models on this machine and read its saved states", file=sys.stderr, flush=True)
+        print(f"rollwise serve: Tinker API at {server.url} (device {torch_device}, saved states in {state_dir}); "
+              f"TINKER_BASE_URL={server.url}", flush=True)
+        print(f"rollwise serve: token: {key}" if configured is None else
+              f"rollwise serve: token: the one configured (--api-key, serve.api_key or ${SERVE_KEY_ENV})",
+              flush=True)
+        print("rollwise serve: Ctrl-C stops", flush=True)
+        while server.thread.is_alive():
+            server.thread.join(0.5)
+        raise RuntimeError("the HTTP server stopped on its own (see the lines above)")
+    except KeyboardInterrupt:
+        print("rollwise serve: stopping", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+        service.close()
