@@ -130,7 +130,7 @@ def best_pointer(evals: list[dict]) -> dict:
     early = EarlyStop(EarlyStopConfig(metric="eval/greedy_balanced_accuracy", mode="max", patience=0), Path("."))
     for row in evals:
         if row.get(early.cfg.metric) is not None:
-            early._count(row)
+            early.count(row)
     return {"metric": early.cfg.metric, "step": early.best_step, "passed_over_steps": early.collapsed_steps}
 
 

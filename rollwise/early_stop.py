@@ -8,9 +8,9 @@ ends on its last step can hand back a worse model than the one it started with. 
   `eval/greedy_balanced_accuracy` when the evaluation decodes greedily (`eval.greedy`), else
   `eval/sampled_balanced_accuracy` (rollwise.metrics.prior: accuracy averaged over the distinct reference answers,
   which a policy answering the task's most common answer to everything cannot raise; equal to plain accuracy when
-  every reference is distinct); higher is better, ties keep the earlier step, an evaluation whose replies
-  collapsed onto one answer (`rollwise.metrics.collapse.held_out_collapsed`) is never the best, and the run
-  never stops on it;
+  every reference is distinct); higher is better, ties keep the earlier step, an evaluation after step 0 whose
+  replies collapsed onto one answer (`rollwise.metrics.collapse.held_out_collapsed`) is never the best, and the
+  run never stops on it;
 - with `train.early_stop`: its metric, `mode`, `min_delta` and `patience`.
 
 A new best (`mode = "max"`: above the best by more than `min_delta`; `"min"`: below it) saves the checkpoint of
@@ -123,7 +123,7 @@ class EarlyStop:
             return early
         for row in read_metrics(early.run_dir):
             if row_kind(row) == "eval" and isinstance(row.get("step"), (int, float)):
-                early._count(row)
+                early.count(row)
         if early.best_step is not None:
             if is_complete(early.run_dir / CHECKPOINTS / f"step-{early.best_step}"):
                 mark_best(early.run_dir, early.best_step)
@@ -170,7 +170,7 @@ class EarlyStop:
             what = "train.early_stop.metric" if self.explicit else "the best checkpoint's metric"
             raise EarlyStopError(f"{what} = {self.cfg.metric!r} is not in this run's evaluation "
                                  f"(step {row.get('step')}); it has: {keys}")
-        improved = self._count(row)
+        improved = self.count(row)
         if improved:
             step = int(row["step"])
             save()
@@ -178,11 +178,14 @@ class EarlyStop:
             mark_best(self.run_dir, step)
         return improved
 
-    def _count(self, row: dict[str, Any]) -> bool:
+    def count(self, row: dict[str, Any]) -> bool:
+        """Fold one eval row into the state (no checkpoint is saved or marked); whether it is a new best."""
         value = row.get(self.cfg.metric)
         self.last_row = row
         usable = isinstance(value, (int, float)) and math.isfinite(value)  # None: every reward failed
-        if usable and not self.explicit and held_out_collapsed(row):  # the default rule never keeps the prior
+        # the default rule never keeps a later model that answers the prior; the starting model (step 0) is always
+        # eligible, so a run always holds a checkpoint no worse than where it started
+        if usable and not self.explicit and int(row["step"]) > 0 and held_out_collapsed(row):
             self.collapsed_steps.append(int(row["step"]))
             usable = False
         if usable and self._better(float(value)):

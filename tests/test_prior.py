@@ -80,6 +80,20 @@ def test_held_out_answer_collapse_rule():
     assert CollapseWatch().observe(eval_row(0, 1.0, answer=""), echo=False)["collapse/eval_answer_alarm"] == 0.0
 
 
+def test_the_start_stays_eligible_when_it_answers_one_thing_too(tmp_path):
+    """A starting model that already answers one thing (course_schedule: "True" to every prompt) is the best until
+    a later evaluation beats it without collapsing; later collapsed evaluations are passed over whatever they score."""
+    from rollwise.config import EarlyStopConfig
+    from rollwise.early_stop import EarlyStop
+
+    early = EarlyStop(EarlyStopConfig(metric="eval/greedy_balanced_accuracy", patience=0), tmp_path)
+    rows = [(0, 0.50, 1.0), (5, 0.60, 1.0), (10, 0.55, 0.7), (15, 0.52, 0.8)]
+    for step, balanced, share in rows:
+        row = {**eval_row(step, share, reference=0.53, answer="true"), "eval/greedy_balanced_accuracy": balanced}
+        early.count(row)
+    assert early.best_step == 10 and early.best_value == 0.55 and early.collapsed_steps == [5]
+
+
 @pytest.fixture
 def skewed_data(tmp_path):
     """40 questions, references "1" (3 of 4) and "2"; held-out split of 8."""
