@@ -257,10 +257,12 @@ def main(argv=None) -> int:
                       f"items whose answer is not {a['majority']!r}: {a['accuracy_not_majority']:.2f}; replies "
                       f"{a['majority']!r}: {a['replies_majority_frac']:.2f}", flush=True)
     path = REPO / "benchmarks" / "results" / f"task_devset{suffix(args).replace('-', '_')}.json"
-    earlier = json.loads(path.read_text())["results"] if path.exists() else {}
+    before = json.loads(path.read_text()) if path.exists() else {}
+    earlier = before.get("results", {})
     for name, per_seed in results.items():  # seeds run in separate invocations land in one file
         earlier.setdefault(name, {}).update({str(seed): r for seed, r in per_seed.items()})
-    out = {"results": earlier, **({"analysis": analysis} if args.analyse else {}), "cpu": cpu_model_name(), "threads": os.environ.get("ROLLWISE_THREADS"),
+    kept = {key: before[key] for key in ("analysis", "analysis_note") if key in before and not args.analyse}
+    out = {"results": earlier, **({"analysis": analysis} if args.analyse else kept), "cpu": cpu_model_name(), "threads": os.environ.get("ROLLWISE_THREADS"),
            "variant": args.variant, "settings": VARIANTS.get(args.variant or "", []), "steps": args.steps, "wall_s_last_invocation": time.time() - start}
     path.write_text(json.dumps(out, indent=1))
     print(table(earlier))
