@@ -53,31 +53,39 @@ def rl_datum(prompt: list[int], seq: types.SampledSequence, advantage: float) ->
                                        "advantages": [0.0] * pad + [advantage] * len(seq.tokens)})
 
 
-def rl(service: tinker.ServiceClient, base_model: str, prompts: list[str],
-       reward: Callable[[int, list[int], str], float], steps: int = 8, group: int = 16, lr: float = 3e-2,
-       rank: int = 8, max_tokens: int = 6, loss_fn: str = "importance_sampling", loss_fn_config: dict | None = None,
-       chat: bool = False) -> tuple[tinker.TrainingClient, list[float]]:
-    """GRPO-style RL: every step, `group` samples of each prompt, scored by `reward(prompt index, tokens, text)`,
-    advantage = reward - the mean of its group, one forward_backward + optim_step. Returns the client and the
-    mean reward of every step."""
-    client = service.create_lora_training_client(base_model=base_model, rank=rank, seed=0).result()
-    tokenizer = client.get_tokenizer()
+def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """A prompt's token ids: the text itself, or (chat) one user turn in the model's chat template."""
     if chat:
-        encoded = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
-                                                      add_generation_prompt=True, return_dict=False))
-                   for p in prompts]
-    else:
-        encoded = [tokenizer.encode(p) for p in prompts]
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False))
+    return tokenizer.encode(text)
+
+
+def rl(service: tinker.ServiceClient, base_model: str, prompts: list[str] | Callable[[int], list[str]],
+       reward: Callable[[str, list[int], str], float], steps: int = 8, group: int = 16, lr: float = 3e-2,
+       rank: int = 8, max_tokens: int = 6, loss_fn: str = "importance_sampling", loss_fn_config: dict | None = None,
+       chat: bool = False, temperature: float = 1.0,
+       client: tinker.TrainingClient | None = None) -> tuple[tinker.TrainingClient, list[float]]:
+    """GRPO-style RL: every step, `group` samples of each prompt (`prompts` itself, or `prompts(step)`: fresh
+    ones every step), scored by `reward(prompt text, tokens, text)`, advantage = reward - the mean of its group,
+    one forward_backward + optim_step. Trains `client`, or a new LoRA client of `rank`. Returns the client and
+    the mean reward of every step."""
+    if client is None:
+        client = service.create_lora_training_client(base_model=base_model, rank=rank, seed=0).result()
+    tokenizer = client.get_tokenizer()
     rewards = []
     for step in range(steps):
+        texts = prompts(step) if callable(prompts) else prompts
+        encoded = [encode_prompt(tokenizer, t, chat) for t in texts]
         sampler = client.save_weights_and_get_sampling_client().result()
         futures = [sampler.sample(types.ModelInput.from_ints(p), group,  # sent together: one batch on the server
-                                  types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 * step + i))
+                                  types.SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                       seed=1000 * step + i))
                    for i, p in enumerate(encoded)]
         data, step_rewards = [], []
-        for i, (prompt, future) in enumerate(zip(encoded, futures)):
+        for text, prompt, future in zip(texts, encoded, futures):
             seqs = future.result().sequences
-            scores = [reward(i, s.tokens, tokenizer.decode(s.tokens, skip_special_tokens=True)) for s in seqs]
+            scores = [reward(text, s.tokens, tokenizer.decode(s.tokens, skip_special_tokens=True)) for s in seqs]
             mean = float(np.mean(scores))
             step_rewards.extend(scores)
             data += [rl_datum(prompt, s, r - mean) for s, r in zip(seqs, scores) if s.tokens and r != mean]
@@ -90,13 +98,26 @@ def rl(service: tinker.ServiceClient, base_model: str, prompts: list[str],
     return client, rewards
 
 
+def greedy_accuracy(client: tinker.TrainingClient, prompts: list[str], reward: Callable[[str, list[int], str], float],
+                    max_tokens: int, chat: bool = False) -> tuple[float, list[str]]:
+    """The mean reward of the model's greedy (temperature 0) answer to each prompt, with the answers."""
+    tokenizer = client.get_tokenizer()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    futures = [sampler.sample(types.ModelInput.from_ints(encode_prompt(tokenizer, p, chat)), 1, params)
+               for p in prompts]  # sent together: one batch on the server
+    tokens = [f.result().sequences[0].tokens for f in futures]
+    answers = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    return float(np.mean([reward(p, t, a) for p, t, a in zip(prompts, tokens, answers)])), answers
+
+
 def forward_logprobs(client: tinker.TrainingClient, data: list[types.Datum]) -> list[list[float]]:
     """The per-token log-probs the model gives `data` now (no gradient)."""
     out = client.forward(data, "cross_entropy").result()
     return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
 
 
-def even_share(prompt: int, tokens: list[int], text: str) -> float:
+def even_share(prompt: str, tokens: list[int], text: str) -> float:
     """A deterministic toy reward: the share of sampled token ids that are even."""
     return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
 
