@@ -36,9 +36,9 @@ test: setup $(VENV)/.test-extras
 	$(PY) -m pytest -q
 
 # optional extras the test suite exercises beyond `setup`: reasoning-gym (its tasks and scoring), the tinker SDK
-# (`rollwise serve --api tinker` driven by it)
+# (`rollwise serve --api tinker` driven by it), bench (TRL: the GPU check's --dry run puts its GRPOTrainer beside ours)
 $(VENV)/.test-extras: $(VENV)/.installed
-	$(PIP) install -q -e '.[test,reasoning-gym,tinker]'
+	$(PIP) install -q -e '.[test,reasoning-gym,tinker,bench]'
 	touch $@
 
 bench: setup
