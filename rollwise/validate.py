@@ -135,7 +135,8 @@ def _scale_out_errors(cfg: Config) -> list[str]:
 
     launched = rollout.engine == "vllm" and rollout.server == "launch"
     return (errors + _weight_quant_errors(cfg) + _speculative_errors(cfg)
-            + vllm_option_errors(rollout.engine, cfg.rollout.engine_options)
+            + vllm_option_errors(rollout.engine, cfg.rollout.engine_options,
+                                 server=rollout.server is not None)
             + (launch_option_errors(cfg.rollout.engine_options) if launched else []))
 
 

@@ -181,3 +181,18 @@ def test_sample_rows_reads_every_params_group_back_in_one_copy(monkeypatch):
     assert copies == [(3, 5)]  # one read-back: [tokens | logprobs | full] x rows
     assert [(t, l, f) for t, l, f in zip(tokens, logprobs, full)] == [expected[r] for r in range(5)]
     assert all(isinstance(t, int) for t in tokens)
+
+
+def test_off_the_cpu_a_decode_step_reads_nothing_back_from_the_device():
+    """The slot cache's width off the CPU is its capacity (the mask hides unwritten columns): on the meta device,
+    whose tensors hold no data, a host read of the longest slot would raise. On the CPU in fp32 it attends only
+    up to the longest slot (hand-checked widths)."""
+    from rollwise.generate.slot_cache import SlotCache
+
+    for device in ("meta", "cpu"):
+        cache = SlotCache(2, 3, 2, 16, 4, torch.float32, device)
+        cache.lengths += torch.tensor([5, 2, 0], device=device)
+        positions, mask = cache.begin_step()
+        assert mask.shape == (3, 1, 1, 16 if device == "meta" else 6)
+        if device == "cpu":
+            assert positions[:, 0].tolist() == [5, 2, 0] and mask[:, 0, 0].sum(-1).tolist() == [6, 3, 1]

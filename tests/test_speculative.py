@@ -244,3 +244,27 @@ def test_vllm_kwargs_build_the_real_speculative_config(tiny_model_dir):
     assert isinstance(config.speculative_config, SpeculativeConfig)
     assert config.speculative_config.num_speculative_tokens == 3
     assert config.speculative_config.method == "ngram"
+
+
+def test_an_engine_option_vllm_does_not_take_fails_the_dry_run_with_one_line(tiny_model_dir):
+    """Through `rollwise train --dry-run`: a torch-engine option and a misspelt key on an in-process vLLM are
+    refused before anything starts (vLLM itself would refuse them only after loading the model); keys of the
+    installed vLLM's `LLM` / `EngineArgs` and rollwise's own pass."""
+    pytest.importorskip("vllm")
+    from typer.testing import CliRunner
+
+    from rollwise.cli import app
+
+    def dry_run(options: str):
+        args = ["train", "--dry-run", f"model.name={tiny_model_dir}", "rollout.engine=vllm",
+                f"rollout.engine_options={options}"]
+        return CliRunner().invoke(app, args)
+
+    result = dry_run("{gqa_attention = true}")
+    assert result.exit_code != 0
+    assert "rollout.engine_options.gqa_attention is the torch engine's" in result.output
+    result = dry_run("{enforce_eagre = true}")
+    assert result.exit_code != 0 and "rollout.engine_options.enforce_eagre is not an option of the installed vLLM" \
+        in result.output
+    ok = dry_run("{enforce_eager = true, in_process = true, kv_cache_memory_bytes = 67108864}")
+    assert ok.exit_code == 0, ok.output

@@ -92,7 +92,8 @@ def test_a_sync_from_tensors_passes_the_probe_and_writes_no_file(engine, tok, pr
     version = engine.version + 1
     metrics = sync.push(version)
     assert sync.transport.name == "tensors" and engine.version == version
-    assert metrics["sync/logprob_max_abs_diff"] < TOL and metrics["sync/time_s"] > 0 and metrics["sync/bytes"] > 0
+    assert metrics["sync/logprob_max_abs_diff"] < TOL and metrics["sync/bytes"] > 0
+    assert metrics["sync/time_s"] > 0 and metrics["sync/check_s"] > 0  # the transfer, then the probe check
     ids = prompts[0] + prompts[1]
     assert max_diff(engine.probe_logprobs(ids), hf_token_logprobs(new, ids)) < TOL
     res = engine.generate([GenerationRequest(0, prompts[1], SamplingParams(max_new_tokens=8))])[0]
@@ -209,10 +210,11 @@ def test_sleep_mode_frees_the_gpu_for_training_and_each_use_takes_back_what_it_n
     sync.release_memory()  # the loop, before the Train stage
     sync.release_memory()  # asleep already: nothing more
     assert llm.calls == [("sleep", 1)]
-    sync.push(1)  # the weights come back first, then load (cast to the engine's bf16), then the prefix cache
+    sync.push(1)  # the weights come back first, then load, then the prefix cache
     wake, load, reset = llm.calls[1:]
     assert wake == ("wake_up", ("weights",)) and reset == ("reset_prefix_cache",)
-    assert load[0] == "rollwise_load_tensors" and load[2] == 1 and set(load[1].values()) == {torch.bfloat16}
+    # the trainer's float32 tensors as they are: vLLM's loaders cast each to the engine's bf16 as they copy it
+    assert load[0] == "rollwise_load_tensors" and load[2] == 1 and set(load[1].values()) == {torch.float32}
     assert "lm_head.weight" not in load[1] and engine.version == 1  # tied: the embedding is the head
     assert engine.generate([]) == [] and llm.calls[-1] == ("wake_up", ("kv_cache",))  # before generating
     engine.generate([])
@@ -262,3 +264,26 @@ def test_the_factory_runs_a_training_engine_in_process_and_sleeps_it_on_cuda(mon
     assert gpu["enable_sleep_mode"] is True and gpu["gpu_memory_utilization"] == COLOCATED_GPU_SHARE
     assert options('train.device="cuda"', "rollout.engine_options={enable_sleep_mode = false}")[
         "enable_sleep_mode"] is False
+
+
+def test_only_the_intended_float_casts_are_kept_out_of_the_log():
+    """vLLM warns for every weight loaded in another dtype than its parameter's; during a sync into a bf16 engine
+    the float32 -> bf16 cast is the intent (dropped), any other mismatch still reaches the log."""
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.models.utils")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    message = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    try:
+        with vllm_inprocess._quiet_float_casts(torch.bfloat16):
+            log.warning(message, "norm.weight", torch.float32, torch.bfloat16)  # the cast a sync makes: dropped
+            log.warning(message, "norm.weight", torch.int8, torch.bfloat16)  # not a float cast: kept
+            log.warning(message, "norm.weight", torch.float32, torch.float16)  # not the engine's dtype: kept
+        log.warning(message, "norm.weight", torch.float32, torch.bfloat16)  # outside a sync: kept
+    finally:
+        log.removeHandler(handler)
+    assert [m.split(" with dtype ")[1] for m in seen] == [
+        "torch.int8 into parameter", "torch.float32 into parameter", "torch.float32 into parameter"]

@@ -8,9 +8,11 @@ The object follows the `update(key, value, layer_idx, **kwargs)` contract that H
 layers call; the 4-D mask handed to the model makes the library skip its own mask building.
 
 Keys are stored transposed, `[slots, kv_heads, head_dim, capacity]`, so that the scores of a decode step
-(`q @ K^T` over the first `width` columns) are a strided batched matmul. In fp32 attention reads only up to
-the longest slot; oneDNN's bf16 batched matmul copies strided operands, so in bf16 it reads the whole
-(contiguous) capacity instead, which measured cheaper than the copy.
+(`q @ K^T` over the first `width` columns) are a strided batched matmul. In fp32 on the CPU attention reads only
+up to the longest slot; oneDNN's bf16 batched matmul copies strided operands, so in bf16 it reads the whole
+(contiguous) capacity instead, which measured cheaper than the copy. Off the CPU it always reads the capacity
+(masked): the longest slot's length lives on the device, and reading it back would stall every decode step on a
+host sync (the engine's one read-back per step is the sampled tokens).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class SlotCache:
         self.values = [torch.zeros((slots, kv_heads, capacity, value_dim or head_dim), dtype=dtype, device=device)
                        for _ in range(num_layers)]
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # valid columns per slot
-        self._read_full = dtype != torch.float32
+        self._read_full = dtype != torch.float32 or torch.device(device).type != "cpu"  # see the module's doc
         self._write_cols: torch.Tensor | None = None
         self._width = capacity
 

@@ -3,11 +3,12 @@
 vLLM V1 runs its engine core (scheduler and model worker) in a child process unless the engine is built with
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`. Built that way (`start()` below), `vllm.LLM.collective_rpc` calls the worker
 object of this process directly and hands it its arguments by reference, nothing pickled. The weight sync uses
-that: `load_tensors` gives the trainer's tensors (HF names, cast to the engine's dtype one at a time) to the
-worker's `model_runner.reload_weights(weights_iterator=...)` (vLLM 0.32, `model_loader/reload/inplace.py`),
-which runs them through the model's own `load_weights` inside vLLM's layer-wise in-place reload: each layer's
-`process_weights_after_loading` runs again (on the CPU it re-packs the oneDNN copies of the linear weights) and
-the result is copied into the original storage, so CUDA graphs keep pointing at it. No folder, no file.
+that: `load_tensors` gives the trainer's tensors (HF names; cast to the engine's dtype as vLLM copies each into
+its own storage) to the worker's `model_runner.reload_weights(weights_iterator=...)` (vLLM 0.32,
+`model_loader/reload/inplace.py`), which runs them through the model's own `load_weights` inside vLLM's
+layer-wise in-place reload: each layer's `process_weights_after_loading` runs again (on the CPU it re-packs
+the oneDNN copies of the linear weights) and the result is copied into the original storage, so CUDA graphs keep
+pointing at it. No folder, no file.
 
 The trade-off of an engine core in this process (what a run gains and what it gives up):
 - gained: the sync costs a copy, not a write + read of the whole model; no process start, no pipe between the
@@ -33,6 +34,7 @@ one does, and a second engine starts in a process of its own.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import weakref
@@ -110,18 +112,45 @@ def closed(engine) -> None:
 
 def load_tensors(llm, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, version: int) -> None:
     """Load `state_dict` (HF names, the whole checkpoint, already checked) into the engine running here, through
-    the worker extension's `rollwise_load_tensors`; floating tensors are cast to `dtype` as they are consumed
-    (vLLM copies each into its own storage, so the trainer's tensors are never aliased)."""
+    the worker extension's `rollwise_load_tensors`. The tensors go in as the trainer holds them: vLLM's weight
+    loaders copy each into the engine's own storage (`copy_`), casting to the engine's `dtype` on the way, so
+    the trainer's tensors are never aliased and no cast copy of the model is made first (a float32 trainer and a
+    bfloat16 engine: one read of 4 bytes and one write of 2 per weight, where casting first also wrote and read
+    a fresh bfloat16 copy). vLLM's warning for each floating-point weight whose dtype differs from its
+    parameter's is dropped during the load: here the cast is the intent."""
+    weights = ((name, tensor.detach()) for name, tensor in state_dict.items())
+    with torch.no_grad(), _quiet_float_casts(dtype):
+        llm.collective_rpc("rollwise_load_tensors", args=(weights, int(version)))
 
-    def weights():
-        for name, tensor in state_dict.items():
-            tensor = tensor.detach()
-            if tensor.is_floating_point() and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
-            yield name, tensor
 
-    with torch.no_grad():
-        llm.collective_rpc("rollwise_load_tensors", args=(weights(), int(version)))
+class _FloatCastFilter(logging.Filter):
+    """Drops vLLM's "Attempted to load weight ... with dtype A into parameter with dtype B" lines where both
+    dtypes are floating point and B is the engine's dtype (every other mismatch still reaches the log)."""
+
+    PREFIX = "Attempted to load weight %s with dtype"
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not str(record.msg).startswith(self.PREFIX) or len(args) != 3:
+            return True
+        source, target = args[1], args[2]
+        floating = isinstance(source, torch.dtype) and source.is_floating_point
+        return not (floating and target == self.dtype)
+
+
+@contextmanager
+def _quiet_float_casts(dtype: torch.dtype):
+    log = logging.getLogger("vllm.model_executor.models.utils")
+    quiet = _FloatCastFilter(dtype)
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def _rng_states() -> dict:

@@ -58,16 +58,18 @@ def quantization_methods() -> tuple[tuple[str, ...], str]:
     return tuple(QUANTIZATION_METHODS), "the installed vLLM"
 
 
-def vllm_option_errors(engine: str, options: dict) -> list[str]:
-    """One line per bad `speculative_config` / `quantization` in `rollout.engine_options` of engine `engine`."""
+def vllm_option_errors(engine: str, options: dict, server: bool = False) -> list[str]:
+    """One line per bad `speculative_config` / `quantization` in `rollout.engine_options` of engine `engine`; for
+    a `vllm.LLM` of rollwise's (not a `server`, launched or given by URL) also one per key that is neither rollwise's own nor a `vllm.LLM` /
+    `EngineArgs` argument (vLLM would refuse it only after loading the model; `unknown_llm_keys`)."""
     present = [k for k in KEYS if k in options]
+    errors = [] if engine != "vllm" or server else unknown_llm_keys(options)
     if not present:
-        return []
+        return errors
     if engine != "vllm":
         hint = {"torch": "the torch engine takes draft_model / draft_tokens and weight_quant"}.get(engine, "")
         return [f"rollout.engine_options.{k} is vLLM's; rollout.engine = {engine!r} does not take it"
                 + (f" ({hint})" if hint else "") for k in present]
-    errors = []
     spec = options.get("speculative_config")
     if spec is not None:
         errors += _speculative_errors(spec)
@@ -77,6 +79,38 @@ def vllm_option_errors(engine: str, options: dict) -> list[str]:
         if quant not in names:
             errors.append(f"rollout.engine_options.quantization = {quant!r} is not a quantization method of {source}; "
                           f"use one of {', '.join(names)}")
+    return errors
+
+
+# engine options rollwise's VLLMEngine takes itself (not passed to vllm.LLM as they are)
+OWN_KEYS = ("in_process", "weight_transfer_backend")
+# the torch engine's options (rollwise.generate.factory.TORCH_ONLY_OPTIONS), said as such; weight_quant and
+# draft_model / draft_tokens have their own lines in rollwise.validate
+TORCH_HINTS = {"gqa_attention": "vLLM attends with its own kernels (its attention_config chooses them)"}
+
+
+def unknown_llm_keys(options: dict) -> list[str]:
+    """One line per `rollout.engine_options` key an in-process `vllm.LLM` would refuse: not in `OWN_KEYS`, not an
+    argument of the installed vLLM's `LLM` or an init field of its `EngineArgs`. Nothing when vLLM is not
+    importable here (the keys cannot be known)."""
+    try:
+        import inspect
+
+        import vllm
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # vLLM absent or broken here: the engine's start says what it refuses
+        return []
+    known = set(inspect.signature(vllm.LLM.__init__).parameters) - {"self", "kwargs"}
+    known |= {f.name for f in dataclasses.fields(EngineArgs) if f.init} | set(OWN_KEYS)
+    errors = []
+    for key in options:
+        if key in known or key in ("weight_quant", "draft_model", "draft_tokens"):
+            continue
+        hint = TORCH_HINTS.get(key)
+        errors.append(f"rollout.engine_options.{key} is the torch engine's: {hint}; remove it, or set "
+                      "rollout.engine = 'torch'" if hint else f"rollout.engine_options.{key} is not an option of the installed vLLM (vllm.LLM "
+                      "or EngineArgs) nor of rollwise's vLLM engine (in_process, weight_transfer_backend); check "
+                      "its spelling")
     return errors
 
 

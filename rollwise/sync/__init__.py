@@ -85,7 +85,9 @@ class WeightSync:
         self.max_diff = max_logprob_diff if max_logprob_diff is not None else default_max_diff(dtype, quant)
 
     def push(self, version: int) -> dict[str, float]:
-        """Send the weights as `version`; returns `sync/*` metrics. Raises SyncError when the check fails."""
+        """Send the weights as `version`; returns `sync/*` metrics: `sync/time_s` the transfer (state dict plus
+        transport), `sync/check_s` the probe check after it (both sides' forward), the gaps it found. Raises
+        SyncError when the check fails."""
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         if self.engine is None:  # async: the generation process takes tensors through shared memory
@@ -96,7 +98,9 @@ class WeightSync:
             metrics.update(self.transport.push(self.trainer.policy_state(), version) or {})
         metrics["sync/time_s"] = time.perf_counter() - start
         if self.probe_ids:
+            start = time.perf_counter()
             metrics["sync/logprob_max_abs_diff"], metrics["sync/logprob_mean_abs_diff"] = self.check(version)
+            metrics["sync/check_s"] = time.perf_counter() - start
         return metrics
 
     def release_memory(self) -> None:
