@@ -60,8 +60,9 @@ def quantization_methods() -> tuple[tuple[str, ...], str]:
 
 def vllm_option_errors(engine: str, options: dict, server: bool = False) -> list[str]:
     """One line per bad `speculative_config` / `quantization` in `rollout.engine_options` of engine `engine`; for
-    a `vllm.LLM` of rollwise's (not a `server`, launched or given by URL) also one per key that is neither rollwise's own nor a `vllm.LLM` /
-    `EngineArgs` argument (vLLM would refuse it only after loading the model; `unknown_llm_keys`)."""
+    a `vllm.LLM` of rollwise's (not a `server`, launched or given by URL) also one per key that is neither
+    rollwise's own nor a `vllm.LLM` / `EngineArgs` argument (vLLM would refuse it only after loading the model;
+    `unknown_llm_keys`)."""
     present = [k for k in KEYS if k in options]
     errors = [] if engine != "vllm" or server else unknown_llm_keys(options)
     if not present:
@@ -84,8 +85,8 @@ def vllm_option_errors(engine: str, options: dict, server: bool = False) -> list
 
 # engine options rollwise's VLLMEngine takes itself (not passed to vllm.LLM as they are)
 OWN_KEYS = ("in_process", "weight_transfer_backend")
-# the torch engine's options (rollwise.generate.factory.TORCH_ONLY_OPTIONS), said as such; weight_quant and
-# draft_model / draft_tokens have their own lines in rollwise.validate
+# why a torch-engine option (rollwise.generate.factory.TORCH_ONLY_OPTIONS) has no place on vLLM; the others
+# (weight_quant, draft_model, draft_tokens) have their own lines in rollwise.validate
 TORCH_HINTS = {"gqa_attention": "vLLM attends with its own kernels (its attention_config chooses them)"}
 
 
@@ -93,6 +94,8 @@ def unknown_llm_keys(options: dict) -> list[str]:
     """One line per `rollout.engine_options` key an in-process `vllm.LLM` would refuse: not in `OWN_KEYS`, not an
     argument of the installed vLLM's `LLM` or an init field of its `EngineArgs`. Nothing when vLLM is not
     importable here (the keys cannot be known)."""
+    from rollwise.generate.factory import TORCH_ONLY_OPTIONS
+
     try:
         import inspect
 
@@ -104,13 +107,12 @@ def unknown_llm_keys(options: dict) -> list[str]:
     known |= {f.name for f in dataclasses.fields(EngineArgs) if f.init} | set(OWN_KEYS)
     errors = []
     for key in options:
-        if key in known or key in ("weight_quant", "draft_model", "draft_tokens"):
-            continue
-        hint = TORCH_HINTS.get(key)
-        errors.append(f"rollout.engine_options.{key} is the torch engine's: {hint}; remove it, or set "
-                      "rollout.engine = 'torch'" if hint else f"rollout.engine_options.{key} is not an option of the installed vLLM (vllm.LLM "
-                      "or EngineArgs) nor of rollwise's vLLM engine (in_process, weight_transfer_backend); check "
-                      "its spelling")
+        if key in TORCH_HINTS:
+            errors.append(f"rollout.engine_options.{key} is the torch engine's: {TORCH_HINTS[key]}; remove it, or "
+                          "set rollout.engine = 'torch'")
+        elif key not in known and key not in TORCH_ONLY_OPTIONS:
+            errors.append(f"rollout.engine_options.{key} is not an option of the installed vLLM (vllm.LLM or "
+                          f"EngineArgs) nor of rollwise's vLLM engine ({', '.join(OWN_KEYS)}); check its spelling")
     return errors
 
 
