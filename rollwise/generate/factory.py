@@ -23,6 +23,7 @@ import torch
 
 from rollwise.errors import UserError
 from rollwise.config import Config
+from rollwise.generate.vllm_options import TORCH_ONLY_OPTIONS  # auto keeps the torch engine for them
 from rollwise.models.weights_folder import write_initial_weights
 
 
@@ -48,10 +49,6 @@ def engine_dtype(name: str, device=None) -> torch.dtype:
         kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return torch.bfloat16 if bf16_is_native(kind) else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-# engine_options only the torch engine takes: `rollout.engine = "auto"` keeps the torch engine when one is set
-TORCH_ONLY_OPTIONS = ("weight_quant", "draft_model", "draft_tokens", "gqa_attention")
 
 
 def resolve_engine(cfg: Config, errors=None) -> str:

@@ -85,8 +85,10 @@ def vllm_option_errors(engine: str, options: dict, server: bool = False) -> list
 
 # engine options rollwise's VLLMEngine takes itself (not passed to vllm.LLM as they are)
 OWN_KEYS = ("in_process", "weight_transfer_backend")
-# why a torch-engine option (rollwise.generate.factory.TORCH_ONLY_OPTIONS) has no place on vLLM; the others
-# (weight_quant, draft_model, draft_tokens) have their own lines in rollwise.validate
+# engine_options only the torch engine takes (`rollwise.generate.factory` keeps the torch engine for them)
+TORCH_ONLY_OPTIONS = ("weight_quant", "draft_model", "draft_tokens", "gqa_attention")
+# why a torch-engine option has no place on vLLM; the others (weight_quant, draft_model, draft_tokens) have their
+# own lines in rollwise.validate
 TORCH_HINTS = {"gqa_attention": "vLLM attends with its own kernels (its attention_config chooses them)"}
 
 
@@ -94,8 +96,6 @@ def unknown_llm_keys(options: dict) -> list[str]:
     """One line per `rollout.engine_options` key an in-process `vllm.LLM` would refuse: not in `OWN_KEYS`, not an
     argument of the installed vLLM's `LLM` or an init field of its `EngineArgs`. Nothing when vLLM is not
     importable here (the keys cannot be known)."""
-    from rollwise.generate.factory import TORCH_ONLY_OPTIONS
-
     try:
         import inspect
 
